@@ -1,0 +1,246 @@
+"""Adapter sets: the public ``sdslim-adapters`` file format, validation, ranks and data-free initialisation.
+
+Tensors per FF site ``<site>.down_value`` [r,m], ``<site>.down_gate`` [r,m], ``<site>.up`` [m,r]; per Res site
+``<site>.down`` [r,c], ``<site>.norm.weight`` [r], ``<site>.norm.bias`` [r], ``<site>.up`` [c,r].
+Metadata: ``sdslim.format``=``sdslim-adapters``, ``sdslim.version``=``1``, ``sdslim.family``,
+``sdslim.norm_groups`` (JSON site→groups where not 32), free JSON (``sdslim.train``, ``sdslim.base``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from . import layout
+from .safetensors_io import FileFormatError, load_file, save_file_atomic
+
+FORMAT = "sdslim-adapters"
+VERSION = 1
+FF_TENSORS = ("down_value", "down_gate", "up")
+RES_TENSORS = ("down", "norm.weight", "norm.bias", "up")
+DEFAULT_GROUPS = 32
+
+
+class AdapterError(FileFormatError):
+    """An adapter file or set is invalid; the message names the file and key."""
+
+
+def norm_groups_for(rank: int, preferred: int = DEFAULT_GROUPS) -> int:
+    """GroupNorm groups for a bottleneck of width ``rank``: the largest divisor of ``rank`` ≤ ``preferred``."""
+    return max(g for g in range(1, min(preferred, rank) + 1) if rank % g == 0)
+
+
+def rank_for_ratio(width: int, ratio: float, kind: str) -> int:
+    """Bottleneck width for a width fraction; Res ranks are rounded to a multiple of 32 where the width allows."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    r = max(1, int(round(width * ratio)))
+    if kind == "res" and width % DEFAULT_GROUPS == 0 and r >= DEFAULT_GROUPS:
+        r = min(width, DEFAULT_GROUPS * max(1, int(round(r / DEFAULT_GROUPS))))
+    return r
+
+
+def ranks_for_ratio(site_list: Iterable[layout.Site], ratio: float | None = None, ff_ratio: float | None = None,
+                    res_ratio: float | None = None) -> dict[str, int]:
+    """Uniform width fractions, with optional per-kind overrides; a kind whose ratio is 1 keeps full width
+    (its sites are still listed, so they fold to identity only when the adapter is the identity)."""
+    out = {}
+    for s in site_list:
+        r = ff_ratio if s.kind == "ff" else res_ratio
+        r = ratio if r is None else r
+        if r is None:
+            continue
+        out[s.name] = rank_for_ratio(s.width, r, s.kind)
+    return out
+
+
+class AdapterSet:
+    """Adapters for a set of sites of one UNet family."""
+
+    def __init__(self, family: str, sites: dict[str, dict[str, torch.Tensor]], norm_groups: dict | None = None,
+                 metadata: dict | None = None, source: str = "<memory>"):
+        self.family = family
+        self.sites = sites
+        self.norm_groups = {s: int(g) for s, g in (norm_groups or {}).items()}
+        self.metadata = dict(metadata or {})
+        self.source = source
+        self.validate()
+
+    # ------------------------------------------------------------------ queries
+    def kind(self, site: str) -> str:
+        return "ff" if "down_value" in self.sites[site] else "res"
+
+    def rank(self, site: str) -> int:
+        t = self.sites[site]
+        return (t["down_value"] if "down_value" in t else t["down"]).shape[0]
+
+    def groups(self, site: str) -> int:
+        return self.norm_groups.get(site, DEFAULT_GROUPS)
+
+    def ranks(self) -> dict[str, int]:
+        return {s: self.rank(s) for s in self.sites}
+
+    def site_errors(self) -> dict[str, float]:
+        """Per-site relative error recorded by the trainer (``sdslim.train``.site_error), if any."""
+        return {k: float(v) for k, v in self.metadata.get("sdslim.train", {}).get("site_error", {}).items()}
+
+    def select(self, strength: float) -> "AdapterSet":
+        """The fraction ``strength`` of sites, lowest recorded error first (file order without errors)."""
+        if not 0 <= strength <= 1:
+            raise ValueError(f"strength must be in [0, 1], got {strength}")
+        errors = self.site_errors()
+        order = sorted(self.sites, key=lambda s: (errors.get(s, math.inf), list(self.sites).index(s)))
+        keep = set(order[:int(round(strength * len(order)))])
+        return AdapterSet(self.family, {s: t for s, t in self.sites.items() if s in keep},
+                          {s: g for s, g in self.norm_groups.items() if s in keep}, self.metadata, self.source)
+
+    # --------------------------------------------------------------- validation
+    def _fail(self, key: str, what: str):
+        raise AdapterError(f"{self.source}: {key}: {what}")
+
+    def validate(self):
+        if self.family not in layout.FAMILIES:
+            self._fail("sdslim.family", f"unknown family {self.family!r}, expected one of {layout.FAMILIES}")
+        for site, t in self.sites.items():
+            try:
+                kind = layout.site_kind(site)
+            except layout.LayoutError as err:
+                self._fail(site, str(err))
+            names = FF_TENSORS if kind == "ff" else RES_TENSORS
+            if set(t) != set(names):
+                self._fail(site, f"{kind} site needs tensors {names}, found {sorted(t)}")
+            for name, v in t.items():
+                if not torch.is_floating_point(v):
+                    self._fail(f"{site}.{name}", f"dtype {v.dtype} is not floating point")
+                if not torch.isfinite(v).all():
+                    self._fail(f"{site}.{name}", "contains NaN or Inf")
+            if kind == "ff":
+                r, m = t["down_value"].shape if t["down_value"].ndim == 2 else (-1, -1)
+                expect = {"down_value": (r, m), "down_gate": (r, m), "up": (m, r)}
+            else:
+                r, m = t["down"].shape if t["down"].ndim == 2 else (-1, -1)
+                expect = {"down": (r, m), "norm.weight": (r,), "norm.bias": (r,), "up": (m, r)}
+            if r < 1:
+                self._fail(f"{site}.{names[0]}", f"expected a 2-D [rank, width] matrix, got {tuple(t[names[0]].shape)}")
+            for name, shp in expect.items():
+                if tuple(t[name].shape) != shp:
+                    self._fail(f"{site}.{name}", f"shape {tuple(t[name].shape)}, expected {shp} (rank {r}, width {m})")
+            if r > m:
+                self._fail(f"{site}.{names[0]}", f"rank {r} exceeds the width {m}")
+            if kind == "res" and r % self.groups(site):
+                self._fail(f"sdslim.norm_groups[{site}]", f"{self.groups(site)} GroupNorm groups do not divide rank {r}")
+        unknown = set(self.norm_groups) - set(self.sites)
+        if unknown:
+            self._fail("sdslim.norm_groups", f"names sites without adapters: {sorted(unknown)[:3]}")
+
+    def check_model(self, weights_or_shapes: Mapping, family: str | None = None):
+        """Raise AdapterError unless every site exists in the model with the adapter's widths."""
+        if family and family != self.family:
+            self._fail("sdslim.family", f"adapters are for {self.family}, the model is {family}")
+        model_sites = {s.name: s for s in layout.sites(weights_or_shapes)}
+        for site in self.sites:
+            if site not in model_sites:
+                self._fail(site, "no such site in this model (adapters made for another architecture?)")
+            t = self.sites[site]
+            width = (t["down_value"] if "down_value" in t else t["down"]).shape[1]
+            if width != model_sites[site].width:
+                self._fail(site, f"adapter width {width} does not match the model's {model_sites[site].width}")
+
+    # --------------------------------------------------------------------- file
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{s}.{n}": v for s, t in self.sites.items() for n, v in t.items()}
+
+    def save(self, path, dtype: torch.dtype | None = None) -> Path:
+        meta = dict(self.metadata)
+        meta.update({"sdslim.format": FORMAT, "sdslim.version": str(VERSION), "sdslim.family": self.family})
+        groups = {s: g for s, g in self.norm_groups.items() if g != DEFAULT_GROUPS}
+        if groups:
+            meta["sdslim.norm_groups"] = groups
+        tensors = {k: (v if dtype is None else v.to(dtype)).detach().cpu() for k, v in self.state_dict().items()}
+        return save_file_atomic(tensors, path, meta)
+
+    @classmethod
+    def load(cls, path) -> "AdapterSet":
+        tensors, meta = load_file(path)
+        src = str(path)
+
+        def need(key):
+            if key not in meta:
+                raise AdapterError(f"{src}: missing metadata {key!r}: not an sdslim adapter file")
+            return meta[key]
+        if need("sdslim.format") != FORMAT:
+            raise AdapterError(f"{src}: sdslim.format is {meta['sdslim.format']!r}, expected {FORMAT!r}")
+        version = need("sdslim.version")
+        if version != str(VERSION):
+            raise AdapterError(f"{src}: sdslim.version {version!r} is not supported by this sdslim (reads "
+                               f"version {VERSION}); update sdslim")
+        extra = {}
+        for key, value in meta.items():
+            if key in ("sdslim.format", "sdslim.version", "sdslim.family", "sdslim.norm_groups"):
+                continue
+            try:
+                extra[key] = json.loads(value)
+            except json.JSONDecodeError:
+                extra[key] = value
+        try:
+            groups = json.loads(meta.get("sdslim.norm_groups", "{}"))
+        except json.JSONDecodeError:
+            raise AdapterError(f"{src}: sdslim.norm_groups is not JSON") from None
+        sites: dict[str, dict] = {}
+        for key, v in tensors.items():
+            site, name = _split_tensor_key(key, src)
+            sites.setdefault(site, {})[name] = v
+        return cls(need("sdslim.family"), sites, groups, extra, source=src)
+
+    # ------------------------------------------------------------- construction
+    @classmethod
+    def init_select(cls, weights: Mapping[str, torch.Tensor], ranks: Mapping[str, int], family: str,
+                    metadata: dict | None = None) -> "AdapterSet":
+        """Data-free initialisation: keep the ``r`` hidden units/channels with the largest weight norms.
+
+        With full ranks this is the exact identity (the folded model equals the original). The trainer's
+        activation-aware initialisation replaces it where it does better.
+        """
+        by_name = {s.name: s for s in layout.sites(weights)}
+        sites, groups = {}, {}
+        dt = torch.promote_types(next(iter(weights.values())).dtype, torch.float32)
+        for site, r in ranks.items():
+            s = by_name[site]
+            if s.kind == "ff":
+                wp = weights[f"{site}.net.0.proj.weight"].to(dt)
+                wo = weights[f"{site}.net.2.weight"].to(dt)
+                score = wo.norm(dim=0) * (wp[:s.width].norm(dim=1) + wp[s.width:].norm(dim=1))
+                sel = _selection(score, r).to(dt)
+                sites[site] = {"down_value": sel.clone(), "down_gate": sel.clone(), "up": sel.t().contiguous()}
+            else:
+                w1 = weights[f"{site}.in_layers.2.weight"].to(dt)
+                w2 = weights[f"{site}.out_layers.3.weight"].to(dt)
+                score = w1.flatten(1).norm(dim=1) * w2.transpose(0, 1).flatten(1).norm(dim=1)
+                sel = _selection(score, r).to(dt)
+                idx = sel.argmax(dim=1)
+                g = DEFAULT_GROUPS if r == s.width else norm_groups_for(r)
+                sites[site] = {"down": sel, "norm.weight": weights[f"{site}.out_layers.0.weight"].to(dt)[idx],
+                               "norm.bias": weights[f"{site}.out_layers.0.bias"].to(dt)[idx],
+                               "up": sel.t().contiguous()}
+                if g != DEFAULT_GROUPS:
+                    groups[site] = g
+        return cls(family, sites, groups, metadata)
+
+
+def _selection(score: torch.Tensor, r: int) -> torch.Tensor:
+    """An r×n 0/1 matrix selecting the r highest scores, kept in their original order."""
+    idx = torch.sort(torch.topk(score, r).indices).values
+    sel = torch.zeros(r, score.numel())
+    sel[torch.arange(r), idx] = 1.0
+    return sel
+
+
+def _split_tensor_key(key: str, src: str) -> tuple[str, str]:
+    for name in ("norm.weight", "norm.bias", "down_value", "down_gate", "down", "up"):
+        if key.endswith("." + name):
+            return key[:-len(name) - 1], name
+    raise AdapterError(f"{src}: unknown tensor {key!r} (expected <site>.down_value/down_gate/up or "
+                       "<site>.down/norm.weight/norm.bias/up)")

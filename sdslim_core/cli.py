@@ -1,0 +1,49 @@
+"""`sdslim` command line: each command's parser lives beside its implementation.
+
+Every command module exposes ``register(subparsers)``, which adds its sub-parser and sets ``func``
+(called with the parsed namespace, returning an exit code). ``--json`` prints one JSON object on
+stdout; human output goes to stderr.
+"""
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "sdslim_core.breakdown_cli",
+    "sdslim_core.train.cli",
+    "sdslim_core.slim_cli",
+    "sdslim_core.evaluate_cli",
+    "sdslim_core.vram.cli",
+    "sdslim_core.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdslim", description="Slim SD UNets that keep LoRA/ControlNet working, "
+                                                               "and answers to 'where does my VRAM go?'.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue  # command not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as err:
+        print(f"sdslim {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Reading and writing ``.safetensors`` files: lazily, atomically, with clear errors."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class FileFormatError(ValueError):
+    """A file is not what it should be; the message names the file and what was expected."""
+
+
+def _check_path(path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise FileFormatError(f"{path}: pickle files ({path.suffix}) can run code when loaded and are not read; "
+                              "convert it to .safetensors first")
+    return path
+
+
+def read_header(path) -> tuple[dict, dict]:
+    """Return ({key: (dtype, shape)}, metadata) from the header alone, without reading any tensor."""
+    path = _check_path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise FileFormatError(f"{path}: too short to be a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n <= 0 or n > min(size - 8, 100 << 20):
+            raise FileFormatError(f"{path}: not a safetensors file (header length {n} of a {size}-byte file)")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise FileFormatError(f"{path}: corrupt safetensors header ({err})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    entries = {}
+    end = 0
+    for key, info in header.items():
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError):
+            raise FileFormatError(f"{path}: tensor {key!r} has an unreadable header entry {info!r}") from None
+        entries[key] = (dtype, shape)
+    if 8 + n + end > size:
+        raise FileFormatError(f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}")
+    return entries, metadata
+
+
+class LazyStateDict(Mapping):
+    """A read-only mapping key → tensor that reads each tensor from disk only when asked for."""
+
+    def __init__(self, path, device: str = "cpu"):
+        from safetensors import safe_open
+        self.path = _check_path(path)
+        self.entries, self.metadata = read_header(self.path)
+        self._file = safe_open(str(self.path), framework="pt", device=device)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.entries:
+            raise KeyError(f"{self.path}: no tensor {key!r}")
+        return self._file.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def shapes(self) -> dict:
+        return {k: shape for k, (_, shape) in self.entries.items()}
+
+
+def load_file(path) -> tuple[dict, dict]:
+    """Load every tensor: (state dict, metadata)."""
+    lazy = LazyStateDict(path)
+    return {k: lazy[k] for k in lazy}, lazy.metadata
+
+
+def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mapping | None = None) -> Path:
+    """Write a safetensors file via a temporary file in the same folder and ``os.replace``."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

@@ -1,0 +1,243 @@
+"""Swapping sites inside a UNet module tree (LDM-style or diffusers), never mutating the input tree.
+
+Two forms of the same computation:
+- train-time: the original layers wrapped with trainable bottleneck adapters (:func:`attach_train_adapters`);
+- slim: fresh, smaller layers holding the folded weights (:func:`build_slim_module`).
+Both are built on a structural clone that shares every untouched parameter and buffer with the input.
+"""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import layout
+from .adapters import AdapterSet
+
+TORCH_OPS = SimpleNamespace(Linear=nn.Linear, Conv2d=nn.Conv2d, GroupNorm=nn.GroupNorm)
+
+
+# ------------------------------------------------------------------------------------------ tree navigation
+
+def tree_naming(unet: nn.Module) -> str:
+    """``ldm`` for LDM/sgm/ComfyUI UNetModel trees, ``diffusers`` for UNet2DConditionModel/ControlNet trees."""
+    if hasattr(unet, "input_blocks"):
+        return "ldm"
+    if hasattr(unet, "down_blocks"):
+        return "diffusers"
+    raise layout.LayoutError(f"{type(unet).__name__} is neither an LDM UNetModel nor a diffusers UNet")
+
+
+def tree_config(unet: nn.Module) -> layout.UNetConfig:
+    """The :class:`UNetConfig` of a module tree, read from its parameter shapes."""
+    shapes = {k: tuple(v.shape) for k, v in unet.state_dict(keep_vars=True).items()}
+    canon, _, _ = layout.to_canonical(shapes)
+    return layout.config_from_state_dict(canon)
+
+
+def site_path(unet: nn.Module, site: str, cfg: layout.UNetConfig | None = None) -> str:
+    """The module path of a canonical site inside ``unet``."""
+    if tree_naming(unet) == "ldm":
+        return site
+    return layout.canonical_to_diffusers_key(cfg or tree_config(unet), site)
+
+
+def layer_paths(unet: nn.Module, site: str, kind: str, cfg=None) -> dict[str, str]:
+    """Role → module path of a site's layers (``proj``/``out`` or ``conv1``/``emb``/``norm2``/``conv2``)."""
+    base = site_path(unet, site, cfg)
+    names = layout.FF_LAYERS if kind == "ff" else layout.RES_LAYERS[tree_naming(unet)]
+    return {role: f"{base}.{name}" for role, name in names.items()}
+
+
+def clone_sharing(unet: nn.Module) -> nn.Module:
+    """A structural copy of ``unet`` whose parameters and buffers are the same objects (no weight copy)."""
+    memo = {id(t): t for t in list(unet.parameters()) + list(unet.buffers())}
+    return copy.deepcopy(unet, memo)
+
+
+def _set(root: nn.Module, path: str, module: nn.Module):
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+# --------------------------------------------------------------------------------------- train-time modules
+
+class SiteAdapter(nn.Module):
+    """Trainable tensors of one site, in the adapter-file layout (shared by the wrappers of that site)."""
+
+    def __init__(self, site: str, kind: str, tensors: Mapping[str, torch.Tensor], groups: int, eps: float = 1e-5):
+        super().__init__()
+        self.site, self.kind = site, kind
+        dtype = torch.promote_types(tensors["up"].dtype, torch.float32)
+
+        def param(name):
+            return nn.Parameter(tensors[name].detach().to(dtype).clone())
+        if kind == "ff":
+            self.down_value, self.down_gate = param("down_value"), param("down_gate")
+        else:
+            self.down = param("down")
+            self.norm = nn.GroupNorm(groups, self.down.shape[0], eps=eps, dtype=dtype)
+            self.norm.weight, self.norm.bias = param("norm.weight"), param("norm.bias")
+        self.up = param("up")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.kind == "ff":
+            names = {"down_value": self.down_value, "down_gate": self.down_gate, "up": self.up}
+        else:
+            names = {"down": self.down, "norm.weight": self.norm.weight, "norm.bias": self.norm.bias,
+                     "up": self.up}
+        return {k: v.detach().float().cpu().clone() for k, v in names.items()}
+
+
+class FFDown(nn.Module):
+    """GEGLU projection followed by the value/gate bottlenecks: [A_v(W_v x + b_v); A_g(W_g x + b_g)]."""
+
+    def __init__(self, proj: nn.Module, adapter: SiteAdapter):
+        super().__init__()
+        self.proj, self.adapter = proj, adapter
+
+    def forward(self, x):
+        value, gate = self.proj(x).chunk(2, dim=-1)
+        a = self.adapter
+        return torch.cat([F.linear(value, a.down_value.to(value.dtype)),
+                          F.linear(gate, a.down_gate.to(gate.dtype))], dim=-1)
+
+
+class FFUp(nn.Module):
+    """The bottleneck expansion U followed by the original output layer."""
+
+    def __init__(self, out: nn.Module, adapter: SiteAdapter):
+        super().__init__()
+        self.out, self.adapter = out, adapter
+
+    def forward(self, h):
+        return self.out(F.linear(h, self.adapter.up.to(h.dtype)))
+
+
+class ResDown(nn.Module):
+    """conv1 (or the time-embedding layer) followed by the channel reduction D (shared by both paths)."""
+
+    def __init__(self, layer: nn.Module, adapter: SiteAdapter, spatial: bool):
+        super().__init__()
+        self.layer, self.adapter, self.spatial = layer, adapter, spatial
+
+    def forward(self, x):
+        y = self.layer(x)
+        d = self.adapter.down.to(y.dtype)
+        return torch.einsum("rc,bc...->br...", d, y) if self.spatial else F.linear(y, d)
+
+
+class ResNorm(nn.Module):
+    """The bottleneck GroupNorm (replaces norm2)."""
+
+    def __init__(self, adapter: SiteAdapter):
+        super().__init__()
+        self.adapter = adapter
+
+    def forward(self, h):
+        n = self.adapter.norm
+        return F.group_norm(h, n.num_groups, n.weight.to(h.dtype), n.bias.to(h.dtype), n.eps)
+
+
+class ResUp(nn.Module):
+    """The channel expansion U (no bias: a bias would not pass a zero-padded conv) followed by conv2."""
+
+    def __init__(self, conv2: nn.Module, adapter: SiteAdapter):
+        super().__init__()
+        self.conv2, self.adapter = conv2, adapter
+
+    def forward(self, h):
+        return self.conv2(torch.einsum("cr,br...->bc...", self.adapter.up.to(h.dtype), h))
+
+
+def attach_train_adapters(unet: nn.Module, adapter_set: AdapterSet) -> tuple[nn.Module, dict[str, SiteAdapter]]:
+    """A clone of ``unet`` with the train-time adapters of ``adapter_set`` inserted; returns (module, adapters).
+
+    The original layers are shared (and stay as they are); only adapter parameters are new.
+    """
+    out = clone_sharing(unet)
+    cfg = tree_config(unet) if tree_naming(unet) == "diffusers" else None
+    adapters = {}
+    for site, tensors in adapter_set.sites.items():
+        kind = adapter_set.kind(site)
+        paths = layer_paths(out, site, kind, cfg)
+        if kind == "ff":
+            a = SiteAdapter(site, kind, tensors, 0)
+            _set(out, paths["proj"], FFDown(out.get_submodule(paths["proj"]), a))
+            _set(out, paths["out"], FFUp(out.get_submodule(paths["out"]), a))
+        else:
+            norm2 = out.get_submodule(paths["norm2"])
+            a = SiteAdapter(site, kind, tensors, adapter_set.groups(site), eps=norm2.eps)
+            _set(out, paths["conv1"], ResDown(out.get_submodule(paths["conv1"]), a, spatial=True))
+            _set(out, paths["emb"], ResDown(out.get_submodule(paths["emb"]), a, spatial=False))
+            _set(out, paths["norm2"], ResNorm(a))
+            _set(out, paths["conv2"], ResUp(out.get_submodule(paths["conv2"]), a))
+        adapters[site] = a
+    return out, adapters
+
+
+def adapters_from_modules(adapter_set: AdapterSet, adapters: Mapping[str, SiteAdapter],
+                          metadata: dict | None = None) -> AdapterSet:
+    """An :class:`AdapterSet` holding the current values of trained :class:`SiteAdapter` modules."""
+    return AdapterSet(adapter_set.family, {s: a.tensors() for s, a in adapters.items()},
+                      {s: adapter_set.groups(s) for s in adapters}, metadata or adapter_set.metadata)
+
+
+# ------------------------------------------------------------------------------------------------ slim tree
+
+def _new_like(old: nn.Module, ops, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A fresh layer of ``old``'s kind and hyper-parameters with the given (slim) weight and bias."""
+    kw = dict(device=weight.device, dtype=weight.dtype)
+    if weight.ndim == 2:
+        new = ops.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, **kw)
+    elif weight.ndim == 4:
+        new = ops.Conv2d(weight.shape[1], weight.shape[0], tuple(weight.shape[2:]), stride=old.stride,
+                         padding=old.padding, dilation=old.dilation, bias=bias is not None, **kw)
+    else:
+        raise ValueError(f"unsupported weight rank {weight.ndim}")
+    new.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        new.bias = nn.Parameter(bias, requires_grad=False)
+    return new
+
+
+def build_slim_module(unet: nn.Module, adapter_set: AdapterSet, folded: Mapping[str, torch.Tensor],
+                      ops=TORCH_OPS) -> nn.Module:
+    """A clone of ``unet`` whose sites hold the folded (slim) layers; untouched weights are shared.
+
+    ``folded`` is :func:`sdslim_core.fold.fold_state_dict`'s output (canonical keys); ``ops`` supplies
+    ``Linear``/``Conv2d``/``GroupNorm`` classes (e.g. ``comfy.ops`` classes inside ComfyUI).
+    """
+    out = clone_sharing(unet)
+    cfg = tree_config(unet) if tree_naming(unet) == "diffusers" else None
+    ldm = layout.RES_LAYERS["ldm"]
+    for site in adapter_set.sites:
+        kind = adapter_set.kind(site)
+        paths = layer_paths(out, site, kind, cfg)
+        if kind == "ff":
+            roles = {"proj": f"{site}.{layout.FF_LAYERS['proj']}", "out": f"{site}.{layout.FF_LAYERS['out']}"}
+        else:
+            roles = {r: f"{site}.{ldm[r]}" for r in ("conv1", "emb", "conv2")}
+        for role, canon in roles.items():
+            if canon + ".weight" not in folded:
+                continue
+            old = out.get_submodule(paths[role])
+            _set(out, paths[role], _new_like(old, ops, folded[canon + ".weight"], folded.get(canon + ".bias")))
+        if kind == "res":
+            old = out.get_submodule(paths["norm2"])
+            w, b = folded[f"{site}.{ldm['norm2']}.weight"], folded[f"{site}.{ldm['norm2']}.bias"]
+            norm = ops.GroupNorm(adapter_set.groups(site), w.shape[0], eps=old.eps, affine=True,
+                                 device=w.device, dtype=w.dtype)
+            norm.weight, norm.bias = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
+            _set(out, paths["norm2"], norm)
+    return out
+
+
+def slim_state_dict(slim_unet: nn.Module) -> dict[str, torch.Tensor]:
+    """The slim module's state dict in canonical keys."""
+    canon, _, _ = layout.to_canonical(slim_unet.state_dict())
+    return canon

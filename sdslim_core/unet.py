@@ -1,0 +1,153 @@
+"""Runnable UNets (diffusers ``UNet2DConditionModel``) from configurations and checkpoint files."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from . import layout
+from .adapters import norm_groups_for
+from .safetensors_io import FileFormatError, LazyStateDict
+
+UNET_CONFIG_KEY = "sdslim.unet_config"
+
+
+@dataclasses.dataclass
+class CheckpointUNet:
+    """The UNet part of a file: canonical tensors (lazy), its naming/prefix, config and the file's metadata."""
+    path: Path
+    weights: dict            # canonical key → tensor (read lazily from disk)
+    naming: str
+    prefix: str
+    config: layout.UNetConfig
+    metadata: dict
+    source: LazyStateDict
+
+    def other_keys(self) -> list[str]:
+        """Keys of the file outside the UNet (text encoder, VAE, …), copied through unchanged by ``slim``."""
+        return [k for k in self.source if not k.startswith(self.prefix) or
+                (self.naming == "ldm" and not self.prefix and not _is_unet_key(k))]
+
+
+def _is_unet_key(key: str) -> bool:
+    return key.split(".", 1)[0] in {"input_blocks", "middle_block", "output_blocks", "time_embed", "label_emb", "out"}
+
+
+class _LazyCanonical(dict):
+    """canonical key → tensor, reading each tensor from the file on first access."""
+
+    def __init__(self, source: LazyStateDict, mapping: dict):
+        super().__init__()
+        self._source, self._mapping = source, mapping
+
+    def __getitem__(self, key):
+        return self._source[self._mapping[key]]
+
+    def get(self, key, default=None):
+        return self[key] if key in self._mapping else default
+
+    def __contains__(self, key):
+        return key in self._mapping
+
+    def __iter__(self):
+        return iter(self._mapping)
+
+    def __len__(self):
+        return len(self._mapping)
+
+    def keys(self):
+        return self._mapping.keys()
+
+    def items(self):
+        return ((k, self[k]) for k in self._mapping)
+
+    def values(self):
+        return (self[k] for k in self._mapping)
+
+
+def _heads_from_metadata(metadata: dict) -> dict:
+    if UNET_CONFIG_KEY not in metadata:
+        return {}
+    try:
+        cfg = json.loads(metadata[UNET_CONFIG_KEY])
+    except (TypeError, json.JSONDecodeError):
+        raise FileFormatError(f"metadata {UNET_CONFIG_KEY!r} is not JSON") from None
+    return {k: cfg[k] for k in ("num_heads", "num_head_channels") if k in cfg}
+
+
+def open_checkpoint(path) -> CheckpointUNet:
+    """Open a single-file checkpoint (LDM/ComfyUI/bare/diffusers keys) or a diffusers UNet folder, lazily."""
+    path = Path(path)
+    if path.is_dir():
+        candidates = [path / "unet" / "diffusion_pytorch_model.safetensors", path / "diffusion_pytorch_model.safetensors"]
+        found = [c for c in candidates if c.exists()]
+        if not found:
+            raise FileNotFoundError(f"{path}: a diffusers folder needs unet/diffusion_pytorch_model.safetensors")
+        path = found[0]
+    source = LazyStateDict(path)
+    shapes = source.shapes()
+    try:
+        prefix, naming = layout.strip_prefix(shapes)
+        canon_shapes, _, _ = layout.to_canonical(shapes)
+    except layout.LayoutError as err:
+        raise layout.LayoutError(f"{path}: {err}") from None
+    if naming == "ldm":
+        mapping = {k: prefix + k for k in canon_shapes}
+    else:
+        structure_cfg = layout.config_from_state_dict(canon_shapes)
+        mapping = {k: prefix + layout.canonical_to_diffusers_key(structure_cfg, k) for k in canon_shapes}
+    try:
+        cfg = layout.config_from_state_dict(canon_shapes, _heads_from_metadata(source.metadata))
+    except layout.LayoutError as err:
+        raise layout.LayoutError(f"{path}: {err}") from None
+    return CheckpointUNet(path, _LazyCanonical(source, mapping), naming, prefix, cfg, dict(source.metadata), source)
+
+
+def build_diffusers_unet(cfg: layout.UNetConfig, device="cpu", dtype=torch.float32, sample_size: int = 64):
+    """An (uninitialised on ``meta``) diffusers ``UNet2DConditionModel`` for ``cfg``."""
+    from diffusers import UNet2DConditionModel
+    with torch.device(device):
+        unet = UNet2DConditionModel(**layout.diffusers_config(cfg, sample_size))
+    return unet.to(dtype) if str(device) != "meta" else unet
+
+
+def load_diffusers_unet(weights, cfg: layout.UNetConfig, dtype=torch.float32, device="cpu",
+                        norm_groups: dict | None = None):
+    """A diffusers UNet holding canonical ``weights``; slim shapes are allowed (layers are resized to fit,
+    with ``norm_groups`` giving the GroupNorm groups of resized Res sites, default 32 or the largest divisor)."""
+    unet = build_diffusers_unet(cfg, device="meta")
+    target = unet.state_dict()
+    mapped = {layout.canonical_to_diffusers_key(cfg, k): weights[k] for k in weights}
+    missing = sorted(set(target) - set(mapped))
+    if missing:
+        raise FileFormatError(f"UNet weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+    groups = {layout.canonical_to_diffusers_key(cfg, f"{site}.{layout.RES_LAYERS['ldm']['norm2']}"): g
+              for site, g in (norm_groups or {}).items()}
+    _resize_to(unet, {k: tuple(v.shape) for k, v in mapped.items()}, groups)
+    unet.load_state_dict({k: v.to(dtype) for k, v in mapped.items()}, strict=True, assign=True)
+    return unet.to(device)
+
+
+def _resize_to(unet, shapes: dict, groups: dict):
+    """Replace Linear/Conv2d/GroupNorm modules whose stored weights have other (slim) shapes."""
+    from torch import nn
+    for name, module in list(unet.named_modules()):
+        w = shapes.get(f"{name}.weight")
+        if w is None or not hasattr(module, "weight") or tuple(module.weight.shape) == w:
+            continue
+        parent, _, attr = name.rpartition(".")
+        holder = unet.get_submodule(parent) if parent else unet
+        with torch.device("meta"):
+            if isinstance(module, nn.Linear):
+                new = nn.Linear(w[1], w[0], bias=module.bias is not None)
+            elif isinstance(module, nn.Conv2d):
+                new = nn.Conv2d(w[1], w[0], w[2:], stride=module.stride, padding=module.padding,
+                                bias=module.bias is not None)
+            elif isinstance(module, nn.GroupNorm):
+                g = groups.get(name, module.num_groups)
+                new = nn.GroupNorm(g if w[0] % g == 0 else norm_groups_for(w[0]), w[0], eps=module.eps)
+            else:
+                raise FileFormatError(f"cannot resize {name} ({type(module).__name__}) to {w}")
+        setattr(holder, attr, new)

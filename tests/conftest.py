@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny UNets with the real SD block structure (diffusers and LDM-style)."""
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(2)
+
+from sdslim_core import layout  # noqa: E402
+
+
+def tiny_config(family="sd15", context_dim=64) -> layout.UNetConfig:
+    """SD1.5 (or SDXL) block structure, scaled down: 32 base channels, 3 levels."""
+    if family == "sdxl":
+        return layout.UNetConfig(family="sdxl", in_channels=4, out_channels=4, model_channels=32,
+                                 channel_mult=(1, 2, 2), num_res_blocks=2, transformer_depth=(0, 1, 2),
+                                 mid_transformer_depth=2, context_dim=context_dim, use_linear_proj=True,
+                                 adm_in_channels=64 + 6 * 256, num_head_channels=16, time_embed_dim=128)
+    return layout.UNetConfig(family=family, in_channels=4, out_channels=4, model_channels=32, channel_mult=(1, 2, 2),
+                             num_res_blocks=2, transformer_depth=(1, 1, 0), mid_transformer_depth=1,
+                             context_dim=context_dim, use_linear_proj=family == "sd2", adm_in_channels=None,
+                             num_heads=2, time_embed_dim=128)
+
+
+def randomize_(module: torch.nn.Module, seed=0, scale=0.2):
+    """Give every parameter (norms included) random values, so identities can't hide behind zeros/ones."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale
+                   )
+    return module
+
+
+@pytest.fixture
+def tiny_diffusers_unet():
+    from sdslim_core.unet import build_diffusers_unet
+    torch.manual_seed(0)
+    unet = build_diffusers_unet(tiny_config(), dtype=torch.float64)
+    return randomize_(unet).eval()
+
+
+def ldm_unet(cfg: layout.UNetConfig, dtype=torch.float64):
+    """An LDM ``UNetModel`` (stable-diffusion-sdkit, the A1111 code) for ``cfg``."""
+    import ldm.modules.attention
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+    ldm.modules.attention._ATTN_PRECISION = "model"   # its "fp32" upcast mixes dtypes in float64 runs
+    levels = [2 ** i for i, d in enumerate(cfg.transformer_depth) if d]
+    unet = UNetModel(image_size=32, in_channels=cfg.in_channels, model_channels=cfg.model_channels,
+                     out_channels=cfg.out_channels, num_res_blocks=cfg.num_res_blocks, attention_resolutions=levels,
+                     channel_mult=cfg.channel_mult, num_heads=cfg.num_heads, num_head_channels=cfg.num_head_channels,
+                     use_spatial_transformer=True, transformer_depth=1, context_dim=cfg.context_dim,
+                     use_linear_in_transformer=cfg.use_linear_proj, legacy=False)
+    unet = unet.to(dtype)
+    unet.dtype = dtype  # LDM casts inputs to .dtype and builds the timestep embedding in float32
+    unet.time_embed.register_forward_pre_hook(lambda m, args: (args[0].to(dtype),))
+    for m in unet.modules():   # LDM's GroupNorm32 computes in float32; keep the model's dtype instead
+        if isinstance(m, torch.nn.GroupNorm):
+            m.forward = types.MethodType(torch.nn.GroupNorm.forward, m)
+    return unet
+
+
+@pytest.fixture
+def tiny_ldm_unet():
+    torch.manual_seed(0)
+    return randomize_(ldm_unet(tiny_config())).eval()

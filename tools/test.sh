@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# README command 2: set up .venv (torch==2.13.0 CPU) and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh test
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,109 @@
+"""The adapter file format: round trip and one clear error per kind of invalid file."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import tiny_config
+from sdslim_core import adapters, layout
+from sdslim_core.adapters import AdapterError, AdapterSet
+from sdslim_core.unet import build_diffusers_unet
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return layout.to_canonical(build_diffusers_unet(tiny_config()).state_dict())[0]
+
+
+@pytest.fixture
+def aset(weights):
+    return AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), 0.5), "sd15")
+
+
+def test_round_trip(tmp_path, aset, weights):
+    aset.metadata["sdslim.train"] = {"steps": 3, "site_error": {s: 0.1 for s in aset.sites}}
+    path = aset.save(tmp_path / "a.safetensors")
+    back = AdapterSet.load(path)
+    assert back.family == "sd15" and back.ranks() == aset.ranks() and back.norm_groups == aset.norm_groups
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in aset.state_dict().items())
+    assert back.metadata["sdslim.train"]["steps"] == 3
+    back.check_model(weights, "sd15")
+
+
+def test_ranks_respect_group_norm():
+    assert adapters.rank_for_ratio(320, 0.5, "res") == 160 and 160 % 32 == 0
+    assert adapters.rank_for_ratio(1280 * 4, 0.5, "ff") == 2560
+    assert adapters.norm_groups_for(80) == 20 and adapters.norm_groups_for(7) == 7
+
+
+def test_select_by_recorded_error(aset):
+    names = list(aset.sites)
+    aset.metadata["sdslim.train"] = {"site_error": {s: float(i) for i, s in enumerate(reversed(names))}}
+    half = aset.select(0.5)
+    assert set(half.sites) == set(names[len(names) - len(half.sites):])
+    assert len(aset.select(0.0).sites) == 0 and len(aset.select(1.0).sites) == len(names)
+
+
+def _write(path, tensors, meta):
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+GOOD_META = {"sdslim.format": "sdslim-adapters", "sdslim.version": "1", "sdslim.family": "sd15"}
+
+
+def _ff(r=4, m=8):
+    return {"input_blocks.1.1.transformer_blocks.0.ff.down_value": torch.zeros(r, m),
+            "input_blocks.1.1.transformer_blocks.0.ff.down_gate": torch.zeros(r, m),
+            "input_blocks.1.1.transformer_blocks.0.ff.up": torch.zeros(m, r)}
+
+
+def _res(r=8, c=16):
+    return {"input_blocks.1.0.down": torch.zeros(r, c), "input_blocks.1.0.norm.weight": torch.ones(r),
+            "input_blocks.1.0.norm.bias": torch.zeros(r), "input_blocks.1.0.up": torch.zeros(c, r)}
+
+
+@pytest.mark.parametrize("tensors,meta,message", [
+    (_ff(), {**GOOD_META, "sdslim.version": "2"}, "sdslim.version '2' is not supported"),
+    (_ff(), {k: v for k, v in GOOD_META.items() if k != "sdslim.format"}, "missing metadata 'sdslim.format'"),
+    (_ff(), {**GOOD_META, "sdslim.format": "lora"}, "sdslim.format is 'lora'"),
+    (_ff(), {**GOOD_META, "sdslim.family": "flux"}, "unknown family 'flux'"),
+    ({**_ff(), "input_blocks.1.1.transformer_blocks.0.ff.up": torch.zeros(8, 3)}, GOOD_META,
+     r"ff\.up: shape \(8, 3\), expected \(8, 4\)"),
+    ({k.replace("input_blocks.1.1", "input_blocks.1.7"): v for k, v in _ff().items()}, GOOD_META,
+     "is not a site name"),
+    ({**_ff(), "input_blocks.1.1.transformer_blocks.0.ff.extra": torch.zeros(1)}, GOOD_META, "unknown tensor"),
+    (_ff(r=9, m=8), GOOD_META, "rank 9 exceeds the width 8"),
+    (_res(r=8), {**GOOD_META, "sdslim.norm_groups": json.dumps({"input_blocks.1.0": 3})}, "3 GroupNorm groups do not divide rank 8"),
+    (_res(r=8), GOOD_META, "32 GroupNorm groups do not divide rank 8"),
+    ({**_ff(), "input_blocks.1.1.transformer_blocks.0.ff.down_gate": torch.full((4, 8), float("nan"))}, GOOD_META,
+     "down_gate: contains NaN"),
+    ({"input_blocks.1.0.down": torch.zeros(8, 16)}, GOOD_META, "res site needs tensors"),
+])
+def test_invalid_files_each_give_their_own_error(tmp_path, tensors, meta, message):
+    path = _write(tmp_path / "bad.safetensors", tensors, meta)
+    with pytest.raises(AdapterError, match=message) as err:
+        AdapterSet.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_truncated_and_pickle_files(tmp_path, aset):
+    path = aset.save(tmp_path / "a.safetensors")
+    data = path.read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        AdapterSet.load(tmp_path / "t.safetensors")
+    (tmp_path / "a.ckpt").write_bytes(b"\x80\x04")
+    with pytest.raises(ValueError, match="pickle"):
+        AdapterSet.load(tmp_path / "a.ckpt")
+
+
+def test_model_mismatch_is_named(aset):
+    other = layout.to_canonical(build_diffusers_unet(tiny_config(), device="meta").state_dict())[0]
+    with pytest.raises(AdapterError, match="adapters are for sd15, the model is sdxl"):
+        aset.check_model(other, "sdxl")
+    bigger = dict(other)
+    bigger["input_blocks.1.0.in_layers.2.weight"] = torch.empty(64, 32, 3, 3, device="meta")
+    with pytest.raises(AdapterError, match="does not match the model's 64"):
+        aset.check_model(bigger)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-torch.set_num_threads(2)
+torch.set_num_threads(1)   # tiny models: one thread is as fast and immune to oversubscription
 
 from sdslim_core import layout  # noqa: E402
 

@@ -1,0 +1,300 @@
+"""SD Slim for AUTOMATIC1111 stable-diffusion-webui (v1.10+; fallback hooks for older versions).
+
+Right before each sampler pass, the LoRA merge the Lora extension would do lazily on the next forward is forced
+on the layers the fold reads, the adapters are folded into those merged weights, and fresh slim layers are
+swapped in (``sdslim_core.a1111_swap``); the original layers are kept and put back when SD Slim is off, when the
+LoRA selection changes (then it folds again), when weights are loaded into the UNet, when another model is
+loaded, and after any error. The logic lives in ``sdslim_core``; this file is the webui shell. Forge is refused.
+"""
+import importlib.util
+import os
+import sys
+
+import gradio as gr
+
+from modules import devices, errors, paths, script_callbacks, scripts, sd_unet, shared, ui_common
+from sdslim_core import a1111_params as params
+from sdslim_core.a1111_swap import LiveSlim
+from sdslim_core.vram import live as vram_live
+
+SECTION = ("sdslim", "SD Slim")
+ADAPTER_DIR = os.path.join(paths.models_path, "sdslim")
+FORGE = importlib.util.find_spec("modules_forge") is not None
+FORGE_MESSAGE = ("SD Slim does not support Forge (its UNet is managed by a ModelPatcher and its LoRA "
+                 "does not merge in place); the extension is inactive")
+HAS_SAMPLING_HOOK = hasattr(scripts.ScriptRunner, "process_before_every_sampling")  # webui >= 1.10.0
+
+
+class _State:
+    """Process-wide state: the slimmed UNet, loaded adapter files, the running VRAM measurement."""
+    live = None                  # LiveSlim of the current UNet
+    files = params.AdapterFiles()
+    choices = []                 # adapter files found in ADAPTER_DIR
+    measure = None               # vram_live.measure_peak over the current job
+    report_html = "<p>No generation with SD Slim yet.</p>"
+
+
+def _log(message):
+    print(f"[SD Slim] {message}", file=sys.stderr)
+
+
+def refresh_adapters():
+    _State.choices = params.list_adapter_files(ADAPTER_DIR)
+    return _State.choices
+
+
+def restore_original(reason, forget=True):
+    """Put the original UNet layers back; ``forget`` also drops every folded result."""
+    live = _State.live
+    if live is None:
+        return
+    was_installed = live.installed
+    if forget:
+        live.close()
+        _State.live = None
+    else:
+        live.restore()
+    if was_installed:
+        _log(f"original UNet restored ({reason})")
+        devices.torch_gc()
+
+
+def _on_enable_change():
+    if not shared.opts.sdslim_enable and shared.opts.sdslim_restore_on_disable:
+        restore_original("disabled in Settings")
+
+
+def _register_settings():
+    opts = shared.opts
+    opts.add_option("sdslim_enable", shared.OptionInfo(
+        False, "Enable SD Slim", gr.Checkbox, onchange=_on_enable_change, section=SECTION, category_id="sd",
+    ).info("fold the slim adapters into the UNet after the LoRA merge, right before sampling"))
+    opts.add_option("sdslim_adapters", shared.OptionInfo(
+        params.NONE, "Adapter file (models/sdslim)", gr.Dropdown,
+        lambda: {"choices": [params.NONE, *_State.choices]}, refresh=refresh_adapters, section=SECTION,
+        category_id="sd"))
+    opts.add_option("sdslim_strength", shared.OptionInfo(
+        1.0, "Strength", gr.Slider, {"minimum": 0.0, "maximum": 1.0, "step": 0.05}, section=SECTION,
+        category_id="sd",
+    ).info("fraction of sites folded, lowest recorded per-site error first"))
+    opts.add_option("sdslim_restore_on_disable", shared.OptionInfo(
+        True, "Restore the original UNet as soon as SD Slim is switched off", gr.Checkbox, section=SECTION,
+        category_id="sd",
+    ).info("otherwise it is restored when the next generation starts; either way no generation runs slim "
+           "while SD Slim is off"))
+    opts.add_option("sdslim_offload", shared.OptionInfo(
+        False, "Keep the replaced original layers on the CPU while slim", gr.Checkbox, section=SECTION,
+        category_id="sd",
+    ).info("saves their VRAM; always on with --medvram/--lowvram"))
+
+
+def _settings():
+    o = shared.opts
+    return {"enable": o.sdslim_enable, "adapters": o.sdslim_adapters, "strength": o.sdslim_strength}
+
+
+def _offload(sd_model):
+    c = shared.cmd_opts
+    medvram_sdxl = getattr(c, "medvram_sdxl", False) and getattr(sd_model, "is_sdxl", False)
+    return bool(c.medvram or c.lowvram or medvram_sdxl or shared.opts.sdslim_offload)
+
+
+def _model_key(sd_model):
+    info = getattr(sd_model, "sd_checkpoint_info", None)
+    return getattr(sd_model, "sd_model_hash", None), getattr(info, "filename", None)
+
+
+def _fail(p, message, exc=False):
+    """A failed fold: the original UNet is in place; say why in the console and the infotext."""
+    if exc:
+        errors.report(f"[SD Slim] not applied, the original UNet is used: {message}", exc_info=True)
+    else:
+        _log(f"not applied, the original UNet is used: {message}")
+    p.extra_generation_params[params.ERROR_KEY] = message
+    p.extra_generation_params.pop(params.INFOTEXT_KEY, None)
+
+
+def slim_for_sampling(p, job):
+    """Fold and install (or keep) the slim layers for this sampler pass; restore on any problem."""
+    if not job.enabled:
+        restore_original("off for this generation", forget=False)
+        return
+    if FORGE:
+        p.extra_generation_params[params.ERROR_KEY] = FORGE_MESSAGE
+        return
+    if sd_unet.current_unet is not None:
+        restore_original("another UNet implementation is active")
+        return _fail(p, f"another UNet implementation is active ({type(sd_unet.current_unet).__name__})")
+    if getattr(devices, "fp8", False):
+        restore_original("fp8 weights")
+        return _fail(p, "fp8 weight storage is not supported")
+    sd_model = p.sd_model
+    unet = sd_model.model.diffusion_model
+    networks = sys.modules.get("networks")          # the built-in Lora extension, if loaded
+    loaded = list(getattr(networks, "loaded_networks", None) or [])
+    merge = getattr(networks, "network_apply_weights", None)
+    try:
+        path = params.adapter_path(ADAPTER_DIR, job.adapter)
+        aset = _State.files.selected(path, job.strength)
+        if not aset.sites:
+            restore_original("strength selects no site", forget=False)
+            return
+        if _State.live is not None and _State.live.unet is not unet:
+            restore_original("another model")
+        if _State.live is None:
+            _State.live = LiveSlim(unet)
+        key = (_model_key(sd_model), _State.files.fingerprint(path), job.strength, params.lora_key(loaded))
+        norms = [_State.live.original(pth) for pth, role in _State.live.layer_paths(aset).items() if role == "norm2"]
+        hits = params.norm2_lora_hits((getattr(m, "network_layer_name", None) for m in norms), loaded)
+        report = _State.live.apply(key, aset, merge=merge, offload=_offload(sd_model), compute_device=devices.device)
+    except Exception as err:  # noqa: BLE001 - a failed fold must never break the generation
+        restore_original("error", forget=False)
+        return _fail(p, f"{type(err).__name__}: {err}", exc=not isinstance(err, (ValueError, OSError, RuntimeError)))
+    p.extra_generation_params.pop(params.ERROR_KEY, None)
+    p.extra_generation_params[params.INFOTEXT_KEY] = params.infotext_value(
+        job.adapter, _State.files.short_hash(path), job.strength)
+    if hits:
+        text = ", ".join(f"{name} changes norm2 of {n} folded ResBlocks" for name, n in hits.items())
+        p.extra_generation_params[params.WARNING_KEY] = f"{text}; norm2 is replaced by the adapter, that part is dropped"
+        _log(p.extra_generation_params[params.WARNING_KEY])
+    if not report.cached:
+        _log(f"folded {report.sites} sites ({report.layers} layers, {params.size_text(report.bytes_saved)} saved) "
+             f"in {report.seconds:.1f} s")
+
+
+def _start_measure():
+    if _State.measure is not None:      # a job that raised never reached postprocess
+        _State.measure.__exit__(None, None, None)
+    _State.measure = vram_live.measure_peak(devices.device, interval=0.05)
+    _State.measure.__enter__()
+
+
+def _vram_infotext():
+    rep = vram_live.memory_report(devices.device)
+    live = _State.live
+    slim = live is not None and live.installed
+    return params.vram_text(
+        rep.peak_allocated_bytes, rep.peak_reserved_bytes, rep.process_rss_bytes,
+        sum(t.numel() * t.element_size() for t in live.unet.parameters()) if slim else None,
+        live.report.bytes_saved if slim else None,
+        ("cpu" if live.offloaded else str(devices.device)) if slim else None)
+
+
+def _finish_measure():
+    if _State.measure is None:
+        return None
+    _State.measure.__exit__(None, None, None)
+    result, _State.measure = _State.measure.result, None
+    return result
+
+
+def _report_html(peak, vram_text):
+    lines = [vram_text] + ([peak.format_text()] if peak is not None else [])
+    body = "<br>".join(line.replace("&", "&amp;").replace("<", "&lt;").replace("\n", "<br>") for line in lines)
+    return f"<p>{body}</p>"
+
+
+def show_report():
+    return _State.report_html
+
+
+class SdSlimScript(scripts.Script):
+    """AlwaysVisible: an accordion with the per-generation override and the last VRAM report."""
+
+    def title(self):
+        return "SD Slim"
+
+    def show(self, is_img2img):
+        return scripts.AlwaysVisible
+
+    def ui(self, is_img2img):
+        with gr.Accordion("SD Slim", open=False):
+            if FORGE:
+                gr.HTML(value=f"<p>{FORGE_MESSAGE}.</p>")
+            with gr.Row():
+                mode = gr.Radio(choices=list(params.MODES), value=params.FROM_SETTINGS,
+                                label="SD Slim for this generation", elem_id=self.elem_id("mode"))
+            with gr.Row():
+                adapter = gr.Dropdown(choices=[params.FROM_SETTINGS, *_State.choices], value=params.FROM_SETTINGS,
+                                      label="Adapter file", elem_id=self.elem_id("adapter"))
+                ui_common.create_refresh_button(
+                    adapter, refresh_adapters, lambda: {"choices": [params.FROM_SETTINGS, *_State.choices]},
+                    self.elem_id("refresh"))
+            strength = gr.Slider(minimum=0.0, maximum=1.0, step=0.05, value=0.0,
+                                 label="Strength (0 = from Settings)", elem_id=self.elem_id("strength"))
+            report = gr.HTML(value=_State.report_html, elem_id=self.elem_id("report"))
+            gr.Button(value="Show last VRAM report", elem_id=self.elem_id("show_report")).click(
+                fn=show_report, inputs=[], outputs=[report])
+        self.infotext_fields = [
+            (mode, lambda d: "On" if params.parse_infotext(d.get(params.INFOTEXT_KEY)) else "Off"),
+            (adapter, _paste_adapter),
+            (strength, lambda d: (params.parse_infotext(d.get(params.INFOTEXT_KEY)) or {}).get("strength")),
+        ]
+        return [mode, adapter, strength]
+
+    def _job(self, p, mode, adapter, strength):
+        try:
+            return params.resolve(_settings(), mode, adapter, strength)
+        except ValueError as err:
+            _fail(p, str(err))
+            return params.Job(False, params.NONE, 0.0)
+
+    def before_process(self, p, mode, adapter, strength, *args):
+        _start_measure()
+        job = self._job(p, mode, adapter, strength)
+        if not job.enabled:
+            restore_original("off for this generation", forget=False)
+
+    def process_before_every_sampling(self, p, mode, adapter, strength, *args, **kwargs):
+        slim_for_sampling(p, self._job(p, mode, adapter, strength))
+
+    def process_batch(self, p, mode, adapter, strength, *args, **kwargs):
+        if not HAS_SAMPLING_HOOK:       # webui < 1.10: after this batch's networks are activated
+            slim_for_sampling(p, self._job(p, mode, adapter, strength))
+
+    def before_hr(self, p, mode, adapter, strength, *args):
+        if not HAS_SAMPLING_HOOK:       # webui < 1.10: the hires pass re-activates its networks before this
+            slim_for_sampling(p, self._job(p, mode, adapter, strength))
+
+    def postprocess_batch(self, p, mode, adapter, strength, *args, **kwargs):
+        if self._job(p, mode, adapter, strength).enabled:
+            p.extra_generation_params[params.VRAM_KEY] = _vram_infotext()
+
+    def postprocess(self, p, processed, mode, adapter, strength, *args):
+        peak = _finish_measure()
+        if self._job(p, mode, adapter, strength).enabled:
+            _State.report_html = _report_html(peak, p.extra_generation_params.get(params.VRAM_KEY, ""))
+
+
+def _paste_adapter(d):
+    parsed = params.parse_infotext(d.get(params.INFOTEXT_KEY))
+    if parsed is None:
+        return None
+    files = refresh_adapters()
+    found = params.match_adapter(parsed, files,
+                                 lambda f: _State.files.short_hash(os.path.join(ADAPTER_DIR, f)))
+    if found is None:
+        _log(f"pasted adapter file {parsed['adapter']} is not in {ADAPTER_DIR}; keeping the current choice")
+    return found
+
+
+def _on_model_loaded(sd_model):
+    unet = getattr(getattr(sd_model, "model", None), "diffusion_model", None)
+    if _State.live is not None and _State.live.unet is not unet:
+        restore_original("another model was loaded")
+
+
+def _on_unload():
+    restore_original("extension unloaded")
+    _finish_measure()
+
+
+if FORGE:
+    _log(FORGE_MESSAGE)
+os.makedirs(ADAPTER_DIR, exist_ok=True)
+refresh_adapters()
+_register_settings()            # now, so the settings API lists the options even without the UI (--nowebui)
+script_callbacks.on_ui_settings(_register_settings)
+script_callbacks.on_model_loaded(_on_model_loaded)
+script_callbacks.on_script_unloaded(_on_unload)
+script_callbacks.on_before_reload(_on_unload)

@@ -1,0 +1,177 @@
+"""Per-generation SD Slim parameters for webui hosts: settings vs. per-generation override, the adapter folder,
+the infotext fields (written and parsed back) and the cache key. Plain Python; no webui import.
+
+Infotext fields (values are quoted by the host because they contain commas):
+  ``SD Slim: adapters=<file> [<hash10>], ratio=<strength>``
+  ``SD Slim VRAM: peak …``, ``SD Slim error: …``, ``SD Slim warning: …``
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .adapters import AdapterSet
+
+INFOTEXT_KEY = "SD Slim"
+VRAM_KEY = "SD Slim VRAM"
+ERROR_KEY = "SD Slim error"
+WARNING_KEY = "SD Slim warning"
+FROM_SETTINGS = "Settings"              # override value meaning "use the Settings page"
+MODES = (FROM_SETTINGS, "On", "Off")
+NONE = "None"                           # the "no adapter file" choice
+ADAPTER_SUFFIX = ".safetensors"
+_GIB = 2 ** 30
+_INFOTEXT_RX = re.compile(r"^adapters=(?P<name>.+?)(?: \[(?P<hash>[0-9a-f]+)\])?, ratio=(?P<ratio>[0-9.]+)$")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one generation asks for."""
+    enabled: bool
+    adapter: str            # file name relative to the adapter folder, or NONE
+    strength: float
+
+
+def resolve(settings: Mapping, mode: str, adapter: str, strength: float) -> Job:
+    """Combine the Settings values (``enable``, ``adapters``, ``strength``) with the accordion's override.
+
+    ``mode``: Settings/On/Off; ``adapter``: Settings or a file name; ``strength`` 0 means "from Settings".
+    """
+    if mode not in MODES:
+        raise ValueError(f"SD Slim mode {mode!r}: expected one of {MODES}")
+    enabled = bool(settings["enable"]) if mode == FROM_SETTINGS else mode == "On"
+    name = settings["adapters"] if adapter in (None, "", FROM_SETTINGS) else adapter
+    value = float(settings["strength"]) if not strength else float(strength)
+    if not 0 <= value <= 1:
+        raise ValueError(f"SD Slim strength {value}: expected a fraction of sites in [0, 1]")
+    return Job(enabled and name not in (None, "", NONE) and value > 0, name or NONE, value)
+
+
+def list_adapter_files(folder: str) -> list[str]:
+    """Adapter files (``*.safetensors``) under ``folder``, as sorted relative paths; [] if it does not exist."""
+    found = []
+    for root, _, files in os.walk(folder):
+        for f in files:
+            if f.lower().endswith(ADAPTER_SUFFIX):
+                found.append(os.path.relpath(os.path.join(root, f), folder).replace(os.sep, "/"))
+    return sorted(found, key=str.lower)
+
+
+def adapter_path(folder: str, name: str) -> str:
+    """The file for a listed adapter name; refuses names that leave the folder."""
+    root = os.path.realpath(folder)
+    path = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, path]) != root:
+        raise ValueError(f"SD Slim adapter {name!r} is outside the adapter folder {folder}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"SD Slim adapter file {path} not found (put adapter files in {folder} and press "
+                                "the refresh button)")
+    return path
+
+
+class AdapterFiles:
+    """Loads adapter files once per (path, size, mtime); also gives their short content hash."""
+
+    def __init__(self):
+        self._sets: dict[tuple, AdapterSet] = {}
+        self._selected: dict[tuple, AdapterSet] = {}
+        self._hashes: dict[tuple, str] = {}
+
+    @staticmethod
+    def fingerprint(path: str) -> tuple:
+        st = os.stat(path)
+        return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+    def load(self, path: str) -> AdapterSet:
+        fp = self.fingerprint(path)
+        if fp not in self._sets:
+            self._sets = {fp: AdapterSet.load(path)}   # keep one: a set holds all of a file's tensors
+        return self._sets[fp]
+
+    def selected(self, path: str, strength: float) -> AdapterSet:
+        """``load(path).select(strength)``, computed once per file version and strength."""
+        key = (self.fingerprint(path), strength)
+        if key not in self._selected:
+            self._selected = {key: self.load(path).select(strength)}
+        return self._selected[key]
+
+    def short_hash(self, path: str) -> str:
+        """First 10 hex digits of the file's sha256 (the length the webui shows for models)."""
+        fp = self.fingerprint(path)
+        if fp not in self._hashes:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            self._hashes[fp] = h.hexdigest()[:10]
+        return self._hashes[fp]
+
+
+def lora_key(loaded_networks: Iterable) -> tuple:
+    """The Lora extension's selection key: (name, te_multiplier, unet_multiplier, dyn_dim) per loaded network."""
+    return tuple((n.name, n.te_multiplier, n.unet_multiplier, n.dyn_dim) for n in loaded_networks)
+
+
+def norm2_lora_hits(layer_names: Iterable[str | None], loaded_networks: Iterable) -> dict[str, int]:
+    """Network name → number of the given (norm2) layers it changes; those changes do not survive the fold."""
+    names = [n for n in layer_names if n]
+    hits = {}
+    for net in loaded_networks:
+        count = sum(1 for n in names if n in net.modules)
+        if count:
+            hits[net.name] = count
+    return hits
+
+
+def infotext_value(adapter: str, short_hash: str | None, strength: float) -> str:
+    tag = f" [{short_hash}]" if short_hash else ""
+    return f"adapters={adapter}{tag}, ratio={strength:g}"
+
+
+def parse_infotext(value: str | None) -> dict | None:
+    """``{"adapter", "hash", "strength"}`` from an ``SD Slim`` infotext value; None if absent or unreadable."""
+    if not value:
+        return None
+    m = _INFOTEXT_RX.match(value.strip())
+    if not m:
+        return None
+    return {"adapter": m["name"], "hash": m["hash"], "strength": float(m["ratio"])}
+
+
+def match_adapter(parsed: Mapping, files: list[str], hash_of) -> str | None:
+    """The listed file a pasted infotext refers to: same name, else same short hash (a renamed file)."""
+    if parsed["adapter"] in files:
+        return parsed["adapter"]
+    if parsed.get("hash"):
+        for f in files:
+            if hash_of(f) == parsed["hash"]:
+                return f
+    return None
+
+
+def size_text(n: int | None) -> str:
+    """Bytes as GiB (≥ 1 GiB) or MiB."""
+    if n is None:
+        return "n/a"
+    return f"{n / _GIB:.2f} GiB" if abs(n) >= _GIB else f"{n / 2 ** 20:.1f} MiB"
+
+
+def vram_text(peak_allocated: int | None, peak_reserved: int | None, ram_rss: int | None,
+              unet_bytes: int | None, saved_bytes: int | None, originals: str | None) -> str:
+    """The ``SD Slim VRAM`` infotext value: CUDA peaks (RAM without CUDA) and the UNet weight change.
+
+    ``unet_bytes``: the slim UNet's weights; ``saved_bytes``: less than the original; ``originals``: where the
+    replaced original layers are kept ("cpu" when offloaded, else the compute device, where they still count).
+    """
+    if peak_allocated is None:
+        parts = [f"no CUDA, RAM (RSS) {size_text(ram_rss)}"]
+    else:
+        parts = [f"peak {size_text(peak_allocated)} allocated, {size_text(peak_reserved)} reserved"]
+    if unet_bytes is not None and saved_bytes is not None:
+        parts.append(f"UNet weights {size_text(unet_bytes + saved_bytes)} -> {size_text(unet_bytes)}")
+        if originals is not None:
+            parts.append(f"originals kept on {originals}")
+    return "; ".join(parts)

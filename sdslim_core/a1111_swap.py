@@ -1,0 +1,250 @@
+"""Slimming a live LDM UNet in place, and giving the original layers back (hosts like AUTOMATIC1111).
+
+A host that owns its module tree (other code holds references to the UNet and its blocks) cannot replace the
+whole UNet. :class:`LiveSlim` swaps only the layers a fold changes (GEGLU ``proj``/``out``, ResBlock
+``conv1``/``emb``/``norm2``/``conv2``) for fresh slim layers built by :func:`swap.build_slim_module`, keeps the
+originals (optionally on the CPU) and puts the very same objects back on :meth:`LiveSlim.restore`. Before the
+fold it calls the host's ``merge(layer)`` on every layer it reads, so lazily merged LoRA weights are what gets
+folded. Folded layers are cached by a host-chosen key. Loading a state dict into the UNet restores first (a
+load into slim shapes would fail) and drops the cache (the folds were made from the old weights).
+Pure torch: no webui import.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Hashable
+
+import torch
+from torch import nn
+
+from . import fold, layout, swap
+from .adapters import AdapterSet
+
+
+class SwapError(RuntimeError):
+    """Slimming failed; the UNet was left with its original layers. The message says why."""
+
+
+@dataclass
+class SwapReport:
+    """What one :meth:`LiveSlim.apply` did."""
+    sites: int
+    layers: int
+    bytes_before: int      # parameter bytes of the replaced original layers
+    bytes_after: int       # parameter bytes of the slim layers
+    cached: bool           # the folded layers came from the cache (no fold was computed)
+    seconds: float
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes held by a module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _split(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition(".")
+    return parent, name
+
+
+def _meta_like(layer: nn.Module) -> nn.Module:
+    """A weightless stand-in with the hyper-parameters :func:`swap.build_slim_module` reads (no host attributes,
+    so cloning it copies neither LoRA backups nor hooks)."""
+    kw = dict(device="meta")
+    if isinstance(layer, nn.Linear):
+        return nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, **kw)
+    if isinstance(layer, nn.Conv2d):
+        return nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                         padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                         bias=layer.bias is not None, **kw)
+    if isinstance(layer, nn.GroupNorm):
+        return nn.GroupNorm(layer.num_groups, layer.num_channels, eps=layer.eps, affine=layer.affine, **kw)
+    raise SwapError(f"unsupported layer type {type(layer).__name__} (expected Linear, Conv2d or GroupNorm)")
+
+
+def _skeleton(layers: dict[str, nn.Module]) -> nn.Module:
+    """An LDM-shaped tree holding weightless copies of ``layers`` at their paths."""
+    root = nn.Module()
+    root.add_module("input_blocks", nn.Module())  # marks the tree as LDM-named for swap.tree_naming
+    for path, layer in layers.items():
+        node = root
+        *parents, name = path.split(".")
+        for part in parents:
+            if part not in node._modules:
+                node.add_module(part, nn.Module())
+            node = node._modules[part]
+        node.add_module(name, _meta_like(layer))
+    return root
+
+
+def _to_device(adapter_set: AdapterSet, device: torch.device) -> AdapterSet:
+    sites = {s: {k: v.to(device) for k, v in t.items()} for s, t in adapter_set.sites.items()}
+    return AdapterSet(adapter_set.family, sites, adapter_set.norm_groups, adapter_set.metadata, adapter_set.source)
+
+
+class LiveSlim:
+    """Slim layers installed into one live LDM UNet (``input_blocks``/``middle_block``/``output_blocks``)."""
+
+    def __init__(self, unet: nn.Module, max_cached: int = 2):
+        if swap.tree_naming(unet) != "ldm":
+            raise SwapError(f"{type(unet).__name__}: only LDM/sgm UNetModel trees can be slimmed in place")
+        self.unet = unet
+        self.max_cached = max_cached
+        self.key: Hashable | None = None             # key of the installed slim layers, None when original
+        self.report: SwapReport | None = None        # report of the installed slim layers
+        self._originals: dict[str, nn.Module] = {}    # path -> original layer object, while slim
+        self._offload = False
+        self._cache: OrderedDict[Hashable, tuple[dict[str, nn.Module], SwapReport]] = OrderedDict()
+        if hasattr(unet, "register_load_state_dict_pre_hook"):      # public from torch 2.5
+            self._hook = unet.register_load_state_dict_pre_hook(self._before_load)
+        else:                                                        # torch 2.1 (webui 1.10's default)
+            self._hook = unet._register_load_state_dict_pre_hook(self._before_load, with_module=True)
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def installed(self) -> bool:
+        return self.key is not None
+
+    @property
+    def offloaded(self) -> bool:
+        """The replaced original layers are on the CPU."""
+        return self.installed and self._offload
+
+    @property
+    def replaced(self) -> list[str]:
+        """Module paths that hold slim layers now."""
+        return list(self._originals)
+
+    def original(self, path: str) -> nn.Module:
+        """The original layer at ``path``, also while a slim layer is installed there."""
+        return self._originals[path] if path in self._originals else self.unet.get_submodule(path)
+
+    def layer_paths(self, adapter_set: AdapterSet) -> dict[str, str]:
+        """Module path → role of every layer the fold of ``adapter_set`` reads or replaces."""
+        out = {}
+        for site in adapter_set.sites:
+            for role, path in swap.layer_paths(self.unet, site, adapter_set.kind(site)).items():
+                out[path] = role
+        return out
+
+    def check(self, adapter_set: AdapterSet):
+        """Raise :class:`~sdslim_core.adapters.AdapterError` unless the adapters fit this UNet."""
+        shapes = {k: tuple(v.shape) for k, v in self.unet.state_dict(keep_vars=True).items()}
+        canon, _, _ = layout.to_canonical(shapes)
+        adapter_set.check_model(canon, layout.config_from_state_dict(canon).family)
+
+    # ------------------------------------------------------------------------------------------ actions
+    def apply(self, key: Hashable, adapter_set: AdapterSet, merge: Callable[[nn.Module], None] | None = None,
+              offload: bool = False, compute_device: torch.device | str | None = None) -> SwapReport:
+        """Install the slim layers for ``key`` (folding ``adapter_set`` unless cached); no-op if installed.
+
+        ``merge(layer)`` is called on each original layer before its weights are read (the host's lazy LoRA
+        merge). ``offload`` moves the replaced originals to the CPU while slim. ``compute_device`` is where the
+        fold runs (default: where each layer lives). On any error the original layers are back in place and
+        :class:`SwapError` says why. A changed ``offload`` re-installs the cached layers.
+        """
+        if self.key == key and self._offload == offload:
+            return self.report
+        self.restore()
+        t0 = time.perf_counter()
+        try:
+            cached = self._cache.pop(key, None)
+            if cached is None:
+                layers, report = self._fold(adapter_set, merge, compute_device)
+            else:
+                layers, report = cached
+                report = SwapReport(report.sites, report.layers, report.bytes_before, report.bytes_after, True, 0.0)
+            self._install(layers, offload)
+        except Exception as err:
+            self.restore()
+            if isinstance(err, SwapError):
+                raise
+            raise SwapError(f"{type(err).__name__}: {err}") from err
+        report.seconds = time.perf_counter() - t0
+        self.key, self.report = key, report
+        self._cache[key] = (layers, report)
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
+        return report
+
+    def restore(self):
+        """Put the original layer objects back (on the device the slim layers were on); no-op if original."""
+        for path, orig in self._originals.items():
+            parent, name = _split(path)
+            owner = self.unet.get_submodule(parent)
+            current = owner._modules[name]
+            orig.to(_device(current))
+            owner._modules[name] = orig
+            if self._offload:
+                current.to("cpu")
+        self._originals.clear()
+        self.key, self.report = None, None
+
+    def close(self):
+        """Restore, drop the cache and detach from the UNet."""
+        self.restore()
+        self._cache.clear()
+        self._hook.remove()
+
+    # ---------------------------------------------------------------------------------------- internals
+    def _fold(self, adapter_set: AdapterSet, merge, compute_device):
+        self.check(adapter_set)
+        paths = self.layer_paths(adapter_set)
+        originals = {p: self.unet.get_submodule(p) for p in paths}
+        folded, on_device = {}, {}
+        with torch.no_grad():
+            for site in adapter_set.sites:     # one site at a time: only its weights visit compute_device
+                weights = {}
+                for path, layer in originals.items():
+                    if path.startswith(site + "."):
+                        if merge is not None:
+                            merge(layer)
+                        weights.update({f"{path}.{n}": t.detach() for n, t in layer.named_parameters(recurse=False)})
+                home = next(iter(weights.values())).device
+                dev = torch.device(compute_device) if compute_device is not None else home
+                if dev not in on_device:
+                    on_device[dev] = _to_device(adapter_set, dev)
+                out = fold.fold_state_dict({k: v.to(dev) for k, v in weights.items()}, on_device[dev], sites=[site])
+                folded.update({k: v.to(home) for k, v in out.items()})
+        norms = [m for p, m in originals.items() if paths[p] == "norm2"]
+        norm_cls = type(norms[0]) if norms else nn.GroupNorm
+        ops = SimpleNamespace(Linear=nn.Linear, Conv2d=nn.Conv2d, GroupNorm=norm_cls)
+        skeleton = _skeleton(originals)
+        slim = swap.build_slim_module(skeleton, adapter_set, folded, ops=ops)
+        layers = {}
+        for path in originals:
+            new = slim.get_submodule(path)
+            if new.weight.device.type != "meta":   # meta: a layer the fold reads but does not replace
+                layers[path] = new
+        before = sum(param_bytes(originals[p]) for p in layers)
+        after = sum(param_bytes(m) for m in layers.values())
+        return layers, SwapReport(len(adapter_set.sites), len(layers), before, after, False, 0.0)
+
+    def _install(self, layers: dict[str, nn.Module], offload: bool):
+        self._offload = offload
+        for path, new in layers.items():
+            parent, name = _split(path)
+            owner = self.unet.get_submodule(parent)
+            orig = owner._modules[name]
+            if isinstance(orig, nn.Conv2d):     # tiling (circular padding) may have changed since the fold
+                new.padding_mode = orig.padding_mode
+            new.to(_device(orig))
+            self._originals[path] = orig
+            owner._modules[name] = new
+            if offload:
+                orig.to("cpu")
+
+    def _before_load(self, *args, **kwargs):
+        """load_state_dict pre-hook: the host is loading new weights; give it the original shapes."""
+        self.restore()
+        self._cache.clear()

@@ -1,0 +1,1 @@
+"""Stand-in AUTOMATIC1111 webui for the tests (see README.md)."""

@@ -1,0 +1,1 @@
+"""Stand-in for the webui's ``modules`` package (tests only)."""

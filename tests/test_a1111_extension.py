@@ -1,0 +1,348 @@
+"""scripts/sdslim.py in the stand-in webui: fold after the LoRA merge, restore, cache, errors, ControlNet-style
+residuals, infotext round trip, VRAM report. References are independent: a manual float64 LoRA merge with
+``swap.attach_train_adapters`` (the train-time form), never the code under test."""
+import os
+import re
+
+import pytest
+import torch
+
+from a1111_standin.harness import (FakeSdModel, Session, checkpoint, first_noise, lora_for, merged_reference,
+                                   tiny_unet, train_time_output, write_adapters)
+from a1111_standin.harness import one_thread, webui  # noqa: F401 (fixtures)
+from sdslim_core import adapters, swap
+
+FF = "input_blocks.1.1.transformer_blocks.0.ff"
+RES = "input_blocks.1.0"
+LORA_LAYERS = [f"{FF}.net.0.proj", f"{FF}.net.2", f"{RES}.in_layers.2", f"{RES}.emb_layers.1", f"{RES}.out_layers.3",
+               "middle_block.1.transformer_blocks.0.attn1.to_q"]          # the last one is not folded
+TOL = 1e-10
+
+
+@pytest.fixture
+def session(webui):
+    unet = tiny_unet()
+    s = Session(unet)
+    s.adapter_file = write_adapters(webui.adapters, unet)
+    s.module.refresh_adapters()
+    import networks
+    s.networks = networks
+    s.lora = lora_for(unet, LORA_LAYERS)
+    networks.available_networks["a"] = s.lora
+    s.settings(enable=True, adapters="tiny.safetensors", strength=1.0)
+    return s
+
+
+def _reference(s, strength=1.0, multiplier=0.0, seed=11):
+    return train_time_output(s.pristine, s.adapter_file, strength, first_noise(seed), s.context, s.lora, multiplier)
+
+
+def _params(infotext):
+    from modules import infotext_utils
+    return infotext_utils.parse_generation_parameters(infotext)
+
+
+def test_slim_output_equals_train_time_adapters_on_the_lora_merged_unet(session):
+    p, res = session.generate("cat <lora:a:0.8>")
+    assert not p.standin_script_errors
+    out = p.standin_outputs[0]
+    ref = _reference(session, multiplier=0.8)
+    assert torch.allclose(out, ref, atol=TOL, rtol=0), (out - ref).abs().max()
+    no_lora = _reference(session, multiplier=0.0)
+    assert (out - no_lora).abs().max() > 1e-3, "the LoRA must change the output (else this test proves nothing)"
+    assert session.networks.extra_network_lora.errors == {}
+    info = _params(res.infotexts[0])
+    assert re.fullmatch(r"adapters=tiny\.safetensors \[[0-9a-f]{10}\], ratio=1", info["SD Slim"])
+
+
+def test_the_merged_lora_weight_is_what_gets_folded(session):
+    session.generate("cat <lora:a:0.8>")
+    proj = session.unet.get_submodule(f"{FF}.net.0.proj")
+    original = session.live.original(f"{FF}.net.0.proj")
+    assert proj is not original and proj.weight.shape[0] < original.weight.shape[0]
+    # independent float64 fold of W0 + ΔW (value rows first, gate rows second)
+    w0 = session.pristine.get_submodule(f"{FF}.net.0.proj").weight
+    lw = session.lora["diffusion_model_" + f"{FF}.net.0.proj".replace(".", "_")]
+    merged = w0 + lw["up"] @ lw["down"] * (lw["alpha"] / 2) * 0.8
+    aset = adapters.AdapterSet.load(session.adapter_file)
+    m = merged.shape[0] // 2
+    t = aset.sites[FF]
+    want = torch.cat([t["down_value"].double() @ merged[:m], t["down_gate"].double() @ merged[m:]])
+    assert torch.allclose(proj.weight, want, atol=TOL, rtol=0)
+    assert not torch.allclose(proj.weight, torch.cat([t["down_value"].double() @ w0[:m],
+                                                      t["down_gate"].double() @ w0[m:]]), atol=1e-6)
+
+
+def test_slim_layers_are_fresh_modules_the_lora_extension_ignores(session):
+    session.generate("cat <lora:a:1>")
+    slim = [session.unet.get_submodule(p) for p in session.live.replaced]
+    assert slim and all(not hasattr(m, "network_layer_name") for m in slim)
+    assert session.networks.extra_network_lora.errors == {}
+    # negative control: a slim layer carrying the original's name gets the full-size delta -> counted error
+    slim[0].network_layer_name = session.live.original(LORA_LAYERS[0]).network_layer_name
+    session.networks.network_apply_weights(slim[0])
+    assert session.networks.extra_network_lora.errors == {"a": 1}
+
+
+def test_restore_gives_back_the_same_parameter_objects_bit_identical(session):
+    session.settings(offload=True)
+    snap = session.snapshot()
+    p, _ = session.generate("cat")
+    assert session.live.installed and session.live.offloaded
+    assert any(dict(session.unet.named_parameters()).get(k) is not obj for k, (obj, _) in snap.items())
+    p, res = session.generate("cat", mode="Off")
+    session.assert_same_as(snap)
+    with torch.no_grad():
+        plain = session.pristine(first_noise(11), torch.full((1,), 500), context=session.context)
+    assert torch.equal(p.standin_outputs[0], plain)
+    assert "SD Slim" not in _params(res.infotexts[0])
+
+
+def test_selection_change_restores_then_refolds_and_cache_hits_on_return(session):
+    p1, _ = session.generate("cat <lora:a:1.0>")
+    p2, _ = session.generate("cat <lora:a:0.5>")
+    assert not session.live.report.cached
+    assert torch.allclose(p2.standin_outputs[0], _reference(session, multiplier=0.5), atol=TOL, rtol=0)
+    p3, _ = session.generate("cat <lora:a:1.0>")
+    assert session.live.report.cached
+    assert torch.equal(p3.standin_outputs[0], p1.standin_outputs[0])
+    p4, _ = session.generate("cat")   # no LoRA at all: the Lora extension restores its backups, then we fold
+    assert torch.allclose(p4.standin_outputs[0], _reference(session, multiplier=0.0), atol=TOL, rtol=0)
+
+
+def test_disable_in_settings_restores_at_once(session):
+    snap = session.snapshot()
+    session.generate("cat")
+    assert session.live.installed
+    session.settings(enable=False)          # onchange, restore_on_disable is on by default
+    assert session.live is None
+    session.assert_same_as(snap)
+
+
+def test_disable_without_restore_on_disable_restores_at_the_next_generation(session):
+    snap = session.snapshot()
+    session.settings(restore_on_disable=False)
+    session.generate("cat")
+    session.settings(enable=False)
+    assert session.live.installed
+    p, _ = session.generate("cat")
+    session.assert_same_as(snap)
+    with torch.no_grad():
+        plain = session.pristine(first_noise(11), torch.full((1,), 500), context=session.context)
+    assert torch.equal(p.standin_outputs[0], plain)
+
+
+def test_error_mid_fold_leaves_the_model_intact_and_says_why(session, monkeypatch, capsys):
+    from sdslim_core import fold
+    real, calls = fold.fold_state_dict, []
+
+    def failing(weights, adapter_set, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("simulated failure in site 4")
+        return real(weights, adapter_set, **kw)
+    monkeypatch.setattr(fold, "fold_state_dict", failing)
+    snap = session.snapshot()
+    p, res = session.generate("cat")
+    session.assert_same_as(snap)
+    assert not session.live.installed and len(calls) == 4
+    info = _params(res.infotexts[0])
+    assert "simulated failure in site 4" in info["SD Slim error"] and "SD Slim" not in info
+    assert "simulated failure in site 4" in capsys.readouterr().err
+    with torch.no_grad():
+        plain = session.pristine(first_noise(11), torch.full((1,), 500), context=session.context)
+    assert torch.equal(p.standin_outputs[0], plain)
+
+
+def test_adapters_for_another_model_fail_clearly(session, webui):
+    other = tiny_unet(seed=5)
+    with torch.no_grad():
+        other.input_blocks[1][0].in_layers[2] = torch.nn.Conv2d(32, 64, 3, padding=1).double()  # width 64 ≠ 32
+        other.input_blocks[1][0].emb_layers[1] = torch.nn.Linear(128, 64).double()
+        other.input_blocks[1][0].out_layers[0] = torch.nn.GroupNorm(32, 64).double()
+        other.input_blocks[1][0].out_layers[3] = torch.nn.Conv2d(64, 32, 3, padding=1).double()
+    write_adapters(webui.adapters, other, name="other.safetensors")
+    snap = session.snapshot()
+    _, res = session.generate("cat", adapter="other.safetensors")
+    session.assert_same_as(snap)
+    err = _params(res.infotexts[0])["SD Slim error"]
+    assert "other.safetensors" in err and "input_blocks.1.0" in err and "width" in err
+
+
+def test_checkpoint_reload_into_the_same_model_restores_first_and_refolds(session):
+    from modules import sd_models
+    session.generate("cat")
+    assert session.live.installed
+    b = tiny_unet(seed=9)
+    info_b = checkpoint("tiny-b", b.state_dict())
+    sd_models.reload_model_weights(info=info_b)      # load_state_dict(strict=False) into the same objects
+    assert not session.live.installed
+    for k, v in b.state_dict().items():
+        assert torch.equal(session.unet.state_dict()[k], v), k
+    p, _ = session.generate("cat")
+    ref = train_time_output(b, session.adapter_file, 1.0, first_noise(11), session.context)
+    assert torch.allclose(p.standin_outputs[0], ref, atol=TOL, rtol=0)
+
+
+def test_hires_pass_with_another_checkpoint_folds_each_pass(session):
+    b = tiny_unet(seed=9)
+    info_b = checkpoint("tiny-b", b.state_dict())
+    p = session.p("cat", enable_hr=True, hr_checkpoint_name="tiny-b", hr_checkpoint_info=info_b)
+    from modules import processing
+    processing.process_images(p)
+    assert not p.standin_script_errors and len(p.standin_outputs) == 2
+    first = _reference(session)
+    assert torch.allclose(p.standin_outputs[0], first, atol=TOL, rtol=0)
+    second = train_time_output(b, session.adapter_file, 1.0, p.standin_outputs[0], session.context)
+    assert torch.allclose(p.standin_outputs[1], second, atol=TOL, rtol=0)
+
+
+def test_another_model_loaded_restores_the_old_one(session):
+    from modules import script_callbacks, shared
+    snap = session.snapshot()
+    session.generate("cat")
+    shared.sd_model = FakeSdModel(tiny_unet(seed=4), "tiny-c")
+    script_callbacks.model_loaded_callback(shared.sd_model)
+    assert session.module._State.live is None
+    session.assert_same_as(snap)
+
+
+def test_ui_reload_and_unload_restore(session):
+    from modules import script_callbacks
+    snap = session.snapshot()
+    session.generate("cat")
+    script_callbacks.app_reload_callback()
+    assert session.module._State.live is None
+    session.assert_same_as(snap)
+    session.generate("cat")
+    script_callbacks.script_unloaded_callback()
+    session.assert_same_as(snap)
+
+
+def test_strength_folds_the_lowest_error_sites_first(session):
+    p, res = session.generate("cat", strength=0.25)
+    errors = adapters.AdapterSet.load(session.adapter_file).site_errors()   # recorded highest-first in file order
+    k = round(0.25 * len(errors))
+    expected = sorted(errors, key=errors.get)[:k]
+    assert expected != list(errors)[:k], "errors must not follow file order (else the order is not tested)"
+    assert {path.rsplit(".", 2)[0] if ".ff." not in path else path.split(".ff.")[0] + ".ff"
+            for path in session.live.replaced} == set(expected)
+    assert torch.allclose(p.standin_outputs[0], _reference(session, strength=0.25), atol=TOL, rtol=0)
+    assert _params(res.infotexts[0])["SD Slim"].endswith("ratio=0.25")
+
+
+def _controlnet_forward(unet, x, t, ctx, residuals, middle):
+    """A UNet pass the way ControlNet hooks it: walk the blocks, add residuals to every skip and the middle."""
+    from ldm.modules.diffusionmodules.openaimodel import timestep_embedding
+    emb = unet.time_embed(timestep_embedding(t, unet.model_channels).to(x.dtype))
+    hs, h = [], x
+    for block, r in zip(unet.input_blocks, residuals):
+        h = block(h, emb, ctx)
+        hs.append(h + r)
+    h = unet.middle_block(h, emb, ctx) + middle
+    for block in unet.output_blocks:
+        h = block(torch.cat([h, hs.pop()], dim=1), emb, ctx)
+    return unet.out(h)
+
+
+def test_controlnet_style_residuals_work_on_the_slim_unet(session):
+    session.generate("cat <lora:a:0.7>")
+    x, t = first_noise(3), torch.full((1,), 300)
+    shapes, h = [], x
+    with torch.no_grad():
+        emb = session.unet.time_embed(torch.zeros(1, session.unet.model_channels, dtype=x.dtype))
+        for block in session.unet.input_blocks:
+            h = block(h, emb, session.context)
+            shapes.append(h.shape)
+        mid = session.unet.middle_block(h, emb, session.context).shape
+    g = torch.Generator().manual_seed(5)
+    residuals = [torch.randn(s, generator=g, dtype=x.dtype) for s in shapes]
+    middle = torch.randn(mid, generator=g, dtype=x.dtype)
+    ref_model, _ = swap.attach_train_adapters(merged_reference(session.pristine, session.lora, 0.7),
+                                              adapters.AdapterSet.load(session.adapter_file))
+    with torch.no_grad():
+        got = _controlnet_forward(session.unet, x, t, session.context, residuals, middle)
+        want = _controlnet_forward(ref_model, x, t, session.context, residuals, middle)
+        without = _controlnet_forward(ref_model, x, t, session.context, [r * 0 for r in residuals], middle * 0)
+    assert torch.allclose(got, want, atol=TOL, rtol=0)
+    assert (want - without).abs().max() > 1e-3
+
+
+def test_infotext_round_trips_through_paste(session, webui):
+    from modules import infotext_utils
+    _, res = session.generate("cat", strength=0.5)
+    params = infotext_utils.parse_generation_parameters(res.infotexts[0])
+    pasted = [key(params) if callable(key) else params.get(key) for _, key in session.script.infotext_fields]
+    assert pasted == ["On", "tiny.safetensors", 0.5]
+    session.settings(enable=False)
+    _, again = session.generate("cat", mode=pasted[0], adapter=pasted[1], strength=pasted[2])
+    assert infotext_utils.parse_generation_parameters(again.infotexts[0])["SD Slim"] == params["SD Slim"]
+    # a renamed adapter file is found by its hash; an image made without SD Slim pastes "Off"
+    os.rename(session.adapter_file, os.path.join(webui.adapters, "renamed.safetensors"))
+    assert [key(params) for _, key in session.script.infotext_fields][1] == "renamed.safetensors"
+    plain = infotext_utils.parse_generation_parameters("cat\nNegative prompt: \nSteps: 20, Seed: 1, Size: 64x64")
+    assert [key(plain) for _, key in session.script.infotext_fields] == ["Off", None, None]
+
+
+def test_vram_report_on_cpu(session):
+    p, res = session.generate("cat")
+    text = _params(res.infotexts[0])["SD Slim VRAM"]
+    assert text.startswith("no CUDA, RAM (RSS) ")
+    slim_bytes = sum(t.numel() * t.element_size() for t in session.unet.parameters())
+    full_bytes = sum(t.numel() * t.element_size() for t in session.pristine.parameters())
+    m = re.search(r"UNet weights ([0-9.]+) MiB -> ([0-9.]+) MiB", text)
+    assert m and float(m[1]) == pytest.approx(full_bytes / 2 ** 20, abs=0.051)
+    assert float(m[2]) == pytest.approx(slim_bytes / 2 ** 20, abs=0.051) and slim_bytes < full_bytes
+    assert session.module.show_report() == session.module._State.report_html
+    assert "RSS" in session.module._State.report_html and "UNet weights" in session.module._State.report_html
+
+
+def test_norm2_lora_is_reported_not_silently_dropped(session):
+    session.networks.available_networks["n"] = lora_for(session.unet, [f"{RES}.out_layers.0"])
+    _, res = session.generate("cat <lora:n:1>")
+    assert "n changes norm2 of 1 folded ResBlocks" in _params(res.infotexts[0])["SD Slim warning"]
+
+
+def test_settings_are_registered_in_the_sd_slim_section(session, webui):
+    from modules import script_callbacks, shared
+    keys = ["sdslim_enable", "sdslim_adapters", "sdslim_strength", "sdslim_restore_on_disable", "sdslim_offload"]
+    for k in keys:     # registered at import (the settings API lists them even with --nowebui) ...
+        assert shared.opts.data_labels[k].section == ("sdslim", "SD Slim"), k
+    script_callbacks.ui_settings_callback()     # ... and again from on_ui_settings, harmlessly
+    assert [k for k in shared.opts.data_labels if k.startswith("sdslim_")] == keys
+    info = shared.opts.data_labels["sdslim_adapters"]
+    assert info.component_args()["choices"] == ["None", "tiny.safetensors"]
+    (webui.adapters / "sub").mkdir()
+    (webui.adapters / "sub" / "more.safetensors").write_bytes(open(session.adapter_file, "rb").read())
+    info.refresh()
+    assert info.component_args()["choices"] == ["None", "sub/more.safetensors", "tiny.safetensors"]
+
+
+def test_webui_before_1_10_folds_in_process_batch(webui, monkeypatch):
+    from modules import scripts
+    monkeypatch.delattr(scripts.ScriptRunner, "process_before_every_sampling")
+    unet = tiny_unet()
+    s = Session(unet)
+    assert s.module.HAS_SAMPLING_HOOK is False
+    s.adapter_file = write_adapters(webui.adapters, unet)
+    s.module.refresh_adapters()
+    s.settings(enable=True, adapters="tiny.safetensors", strength=1.0)
+    p, _ = s.generate("cat")
+    ref = train_time_output(s.pristine, s.adapter_file, 1.0, first_noise(11), s.context)
+    assert torch.allclose(p.standin_outputs[0], ref, atol=TOL, rtol=0)
+
+
+def test_forge_is_refused_clearly(webui, tmp_path, monkeypatch):
+    (tmp_path / "forge" / "modules_forge").mkdir(parents=True)
+    (tmp_path / "forge" / "modules_forge" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "forge"))
+    unet = tiny_unet()
+    s = Session(unet)
+    assert s.module.FORGE
+    write_adapters(webui.adapters, unet)
+    s.module.refresh_adapters()
+    s.settings(enable=True, adapters="tiny.safetensors")
+    snap = s.snapshot()
+    _, res = s.generate("cat")
+    s.assert_same_as(snap)
+    assert "does not support Forge" in _params(res.infotexts[0])["SD Slim error"]

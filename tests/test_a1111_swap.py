@@ -1,0 +1,130 @@
+"""sdslim_core.a1111_swap.LiveSlim on a real (tiny) LDM UNet, without any webui."""
+import pytest
+import torch
+
+from a1111_standin.harness import one_thread, tiny_unet, write_adapters  # noqa: F401 (fixture)
+from sdslim_core import adapters, fold
+from sdslim_core.a1111_swap import LiveSlim, SwapError
+
+FF = "input_blocks.1.1.transformer_blocks.0.ff"
+
+
+@pytest.fixture
+def unet_and_adapters(tmp_path, one_thread):
+    unet = tiny_unet()
+    return unet, adapters.AdapterSet.load(write_adapters(tmp_path, unet))
+
+
+def _snapshot(unet):
+    return {k: (v, v.detach().clone()) for k, v in unet.named_parameters()}
+
+
+def _assert_same(unet, snap):
+    now = dict(unet.named_parameters())
+    assert now.keys() == snap.keys()
+    assert all(now[k] is obj and torch.equal(now[k], val) for k, (obj, val) in snap.items())
+
+
+def test_apply_replaces_exactly_the_fold_layers_and_restore_puts_the_same_objects_back(unet_and_adapters):
+    unet, aset = unet_and_adapters
+    snap, merged = _snapshot(unet), []
+    folded = fold.fold_state_dict({k: v.detach() for k, v in unet.state_dict().items()}, aset)
+    live = LiveSlim(unet)
+    report = live.apply("k", aset, merge=merged.append)
+    assert set(live.replaced) == set(live.layer_paths(aset))
+    assert [id(m) for m in merged] == [id(live.original(p)) for p in live.layer_paths(aset)]
+    assert report.sites == len(aset.sites) and report.layers == len(live.replaced)
+    slim_bytes = sum(t.numel() * t.element_size() for p in live.replaced for t in unet.get_submodule(p).parameters())
+    assert report.bytes_after == slim_bytes and report.bytes_saved > 0
+    live.restore()
+    _assert_same(unet, snap)
+    live.apply("k", aset)
+    for path in live.replaced:
+        for name, t in unet.get_submodule(path).named_parameters():
+            assert torch.equal(t, folded[f"{path}.{name}"]), f"{path}.{name}"
+
+
+def test_a_failure_while_installing_puts_back_what_was_already_swapped(unet_and_adapters, monkeypatch):
+    unet, aset = unet_and_adapters
+    snap = _snapshot(unet)
+    live = LiveSlim(unet)
+    real_install = LiveSlim._install
+
+    def flaky(self, layers, offload):
+        broken = dict(list(layers.items())[:5])
+        broken["input_blocks.1.0.nope"] = torch.nn.Linear(1, 1)     # the 6th path does not exist
+        real_install(self, broken, offload)
+    monkeypatch.setattr(LiveSlim, "_install", flaky)
+    with pytest.raises(SwapError, match="nope"):
+        live.apply("k", aset)
+    assert not live.installed and live.replaced == []
+    _assert_same(unet, snap)
+
+
+def test_cache_is_keyed_and_bounded(unet_and_adapters):
+    unet, aset = unet_and_adapters
+    live = LiveSlim(unet, max_cached=2)
+    a = live.apply("a", aset)
+    assert not a.cached and live.apply("a", aset) is a            # installed: nothing to do
+    live.apply("b", aset.select(0.5))
+    assert live.apply("a", aset).cached                           # a came back from the cache
+    live.apply("c", aset.select(0.25))                             # evicts b (least recently used)
+    assert not live.apply("b", aset.select(0.5)).cached
+
+
+def test_loading_a_state_dict_restores_first_and_forgets_the_folds(unet_and_adapters):
+    unet, aset = unet_and_adapters
+    other = tiny_unet(seed=9).state_dict()
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    unet.load_state_dict(other, strict=False)                     # a checkpoint switch into the same objects
+    assert not live.installed
+    assert all(torch.equal(unet.state_dict()[k], v) for k, v in other.items())
+    assert not live.apply("k", aset).cached
+
+
+def test_conv_padding_mode_follows_the_original_at_install(unet_and_adapters):
+    unet, aset = unet_and_adapters
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    live.restore()
+    for m in unet.modules():          # tiling switched on between generations (webui's apply_circular)
+        if isinstance(m, torch.nn.Conv2d):
+            m.padding_mode = "circular"
+    live.apply("k", aset)
+    convs = [unet.get_submodule(p) for p in live.replaced if isinstance(unet.get_submodule(p), torch.nn.Conv2d)]
+    assert convs and all(c.padding_mode == "circular" for c in convs)
+
+
+def test_refuses_trees_it_cannot_slim_in_place():
+    with pytest.raises(Exception, match="neither an LDM UNetModel"):
+        LiveSlim(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_the_load_hook_also_works_with_torch_before_2_5(unet_and_adapters, monkeypatch):
+    monkeypatch.delattr(torch.nn.Module, "register_load_state_dict_pre_hook")
+    unet, aset = unet_and_adapters
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    unet.load_state_dict(tiny_unet(seed=9).state_dict(), strict=False)
+    assert not live.installed
+
+
+def test_without_the_load_hook_a_checkpoint_switch_would_fail(unet_and_adapters):
+    """Control for the test above: the pre-hook is what makes loading into a slim tree safe."""
+    unet, aset = unet_and_adapters
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    live._hook.remove()
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        unet.load_state_dict(tiny_unet(seed=9).state_dict(), strict=False)
+
+
+def test_close_restores_and_detaches(unet_and_adapters):
+    unet, aset = unet_and_adapters
+    snap = _snapshot(unet)
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    live.close()
+    _assert_same(unet, snap)
+    assert not unet._load_state_dict_pre_hooks

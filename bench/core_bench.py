@@ -1,0 +1,74 @@
+"""Params, fp16 weight bytes and CPU latency of the slim UNet vs the original, measured side by side.
+
+    .venv/bin/python bench/core_bench.py [--repeats 5] [--threads 2]
+
+Counts come from the real SD1.5/SDXL layouts (meta device). Latency: one SD1.5-layout UNet forward
+(random weights, fp32, 64×64 latent, batch 1, 77 context tokens), original and slim interleaved in the same
+run, median of the repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sdslim_core import adapters, breakdown, fold, layout, swap
+from sdslim_core.breakdown_cli import canonical_shapes_for_arch
+from sdslim_core.unet import build_diffusers_unet
+
+RATIOS = (0.75, 0.5, 0.25)
+
+
+def count_table():
+    print(f"{'arch':<6}{'ratio':>6}{'params':>16}{'slim params':>16}{'x':>7}{'fp16 GiB':>10}{'slim GiB':>10}")
+    for arch in ("sd15", "sdxl"):
+        shapes, _ = canonical_shapes_for_arch(arch)
+        orig = breakdown.count(shapes)["total"]
+        for ratio in RATIOS:
+            ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
+            slim = breakdown.count(fold.slim_shapes(shapes, ranks))["total"]
+            print(f"{arch:<6}{ratio:>6}{orig:>16,}{slim:>16,}{slim / orig:>7.3f}{orig * 2 / 2**30:>10.3f}"
+                  f"{slim * 2 / 2**30:>10.3f}")
+
+
+def latency(repeats: int):
+    cfg = layout.config_for_arch("sd15")
+    torch.manual_seed(0)
+    unet = build_diffusers_unet(cfg).eval()
+    weights = layout.to_canonical(unet.state_dict())[0]
+    models = {"original": unet}
+    for ratio in RATIOS:
+        aset = adapters.AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), ratio), "sd15")
+        models[f"slim {ratio}"] = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset)).eval()
+    x, t, ctx = torch.randn(1, 4, 64, 64), torch.tensor([500]), torch.randn(1, 77, 768)
+    times = {k: [] for k in models}
+    with torch.inference_mode():
+        for m in models.values():                       # warm-up
+            m(x, t, encoder_hidden_states=ctx)
+        for _ in range(repeats):
+            for name, m in models.items():              # interleaved: same machine state for each
+                t0 = time.perf_counter()
+                m(x, t, encoder_hidden_states=ctx)
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["original"])
+    print(f"\nSD1.5 UNet forward, 64x64 latent, batch 1, fp32, {torch.get_num_threads()} threads, "
+          f"median of {repeats}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<12}{med * 1000:>9.0f} ms   speed-up x{base / med:.2f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    count_table()
+    latency(args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""ComfyUI nodes of sdslim: thin shells over ``sdslim_core`` (see ``entry`` for registration)."""

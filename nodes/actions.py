@@ -1,0 +1,71 @@
+"""What each node does when it runs (imported on first run; ComfyUI is present)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+
+from sdslim_core.adapters import AdapterSet
+
+from . import folding, monitor, paths, report
+from .specs import Result
+
+log = logging.getLogger("sdslim")
+
+
+def slim(model, adapters: str, strength: float, enable: bool) -> Result:
+    if not enable:
+        return Result((model,))
+    aset = _load_adapters(adapters).select(strength)
+    if not aset.sites:
+        out = model.clone()
+        monitor.install(out)
+        return Result((out,))
+    bar = comfy.utils.ProgressBar(len(aset.sites))
+    out = folding.slim_patcher(model, aset, progress=lambda done, total: bar.update_absolute(done, total))
+    log.info("sdslim: folded %d sites from %s; UNet %s -> %s", len(aset.sites), adapters,
+             report.fmt_bytes(model.model_size()), report.fmt_bytes(out.model_size()))
+    return Result((out,))
+
+
+def _load_adapters(name: str):
+    return AdapterSet.load(paths.resolve(folder_paths, name))
+
+
+def vram_monitor(model) -> Result:
+    out = model.clone()
+    monitor.install(out)
+    return Result((out,))
+
+
+def breakdown(model) -> Result:
+    text = report.breakdown_text(model)
+    return Result((text,), text)
+
+
+def vram_report(model=None, model_b=None, trigger=None, width=1024, height=1024, batch=1, estimate=False) -> Result:
+    mm = comfy.model_management
+    sections = [report.device_lines(mm, torch), report.loaded_models_lines(mm),
+                report.sampling_lines(monitor.LAST_SAMPLING)]
+    for label, m in (("model", model), ("model_b", model_b)):
+        if m is None:
+            continue
+        sections.append([report.breakdown_text(m, label),
+                         f"{label}: weights {report.fmt_bytes(m.model_size())} in "
+                         f"{str(m.model_dtype()).replace('torch.', '')}"])
+        if estimate:
+            _, _, family = report.unet_shapes(m)
+            sections.append(report.estimate_lines(family, report.slim_ratio(m), width, height, batch))
+    text = "\n\n".join("\n".join(s) for s in sections)
+    return Result((text,), text)
+
+
+def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="") -> Result:
+    from . import training
+    text = training.run(model, filename=filename, ratio=ratio, steps=steps, seed=seed, positive=positive,
+                        clip=clip, prompts=prompts, budget=budget)
+    return Result((text,), text)

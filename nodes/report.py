@@ -1,0 +1,115 @@
+"""Text of the VRAM Report and UNet Breakdown nodes (ComfyUI objects are passed in, nothing is changed)."""
+from __future__ import annotations
+
+import math
+
+from sdslim_core import breakdown, layout
+
+PREFIX = "diffusion_model."
+MIB = 2 ** 20
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2 ** 30:.2f} GiB" if abs(n) >= 2 ** 30 else f"{n / MIB:.1f} MiB"
+
+
+def unet_shapes(patcher) -> tuple[dict, dict | None, str]:
+    """(current canonical shapes, original shapes if the model is slim else None, family) of a MODEL."""
+    unet = getattr(patcher.model, "diffusion_model", None)
+    if unet is None:
+        raise ValueError("sdslim: this MODEL has no 'diffusion_model' (not a UNet model)")
+    current = {k: tuple(v.shape) for k, v in unet.state_dict().items()}
+    info = getattr(patcher.model, "sdslim_info", None)
+    if info is not None:
+        return current, dict(info.full_shapes), info.family
+    return current, None, layout.config_from_state_dict(current).family
+
+
+def breakdown_text(patcher, label: str = "model") -> str:
+    """Parameter table by component; original vs slim when the MODEL came from Slim UNet."""
+    current, full, family = unet_shapes(patcher)
+    if full is None:
+        return breakdown.format_table(breakdown.count(current), title=f"{label}: {family} UNet (original)")
+    return breakdown.format_table(breakdown.count(full), breakdown.count(current),
+                                  title=f"{label}: {family} UNet, original vs slim")
+
+
+def device_lines(mm, torch) -> list[str]:
+    """Device, total/free memory and torch's allocator counters; on CPU says there is no VRAM."""
+    dev = mm.get_torch_device()
+    name = mm.get_torch_device_name(dev)
+    total, free = mm.get_total_memory(dev), mm.get_free_memory(dev)
+    if getattr(dev, "type", "cpu") == "cuda":
+        return [f"device: {name}",
+                f"VRAM total {fmt_bytes(total)}, free {fmt_bytes(free)} (torch cache counted as free)",
+                f"torch allocated {fmt_bytes(torch.cuda.memory_allocated(dev))}, "
+                f"reserved {fmt_bytes(torch.cuda.memory_reserved(dev))}"]
+    lines = [f"device: {name}", "CPU only: no GPU, VRAM n/a; system RAM is shown instead",
+             f"RAM total {fmt_bytes(total)}, available {fmt_bytes(free)}"]
+    rss = _rss()
+    if rss is not None:
+        lines.append(f"this process (ComfyUI) RSS {fmt_bytes(rss)}")
+    return lines
+
+
+def loaded_models_lines(mm) -> list[str]:
+    """One line per model ComfyUI has loaded (most recent first)."""
+    lines = []
+    for lm in list(getattr(mm, "current_loaded_models", [])):
+        patcher = lm.model
+        if patcher is None:
+            continue
+        kind = type(patcher.model).__name__ + (" (slim)" if hasattr(patcher.model, "sdslim_info") else "")
+        lowvram = getattr(patcher.model, "model_lowvram", False)
+        lines.append(f"  {kind}: weights {fmt_bytes(lm.model_memory())}, on {lm.device} "
+                     f"{fmt_bytes(lm.model_loaded_memory())}{', lowvram (partial)' if lowvram else ''}"
+                     f"{', in use' if lm.currently_used else ''}")
+    return ["loaded models:"] + (lines or ["  none"])
+
+
+def sampling_lines(record: dict) -> list[str]:
+    """The last sampling seen by Slim UNet / VRAM Monitor."""
+    if not record:
+        return ["last sampling: none recorded (sample through a Slim UNet or VRAM Monitor node first)"]
+    head = (f"last sampling: {record['seconds']:.1f} s on {record['device']}, "
+            f"{'slim' if record.get('slim') else 'original'} {record['model']}, latent {record.get('latent_shape')}")
+    if "peak_allocated" in record:
+        return [head, f"  peak allocated {fmt_bytes(record['peak_allocated'])}, "
+                      f"peak reserved {fmt_bytes(record['peak_reserved'])}"]
+    return [head, f"  CPU: no VRAM peak; process RSS after sampling {fmt_bytes(record.get('rss_after'))}"]
+
+
+def slim_ratio(patcher) -> float:
+    """Mean rank/width over the slimmed sites (0 for an original model), for the estimator."""
+    info = getattr(patcher.model, "sdslim_info", None)
+    if info is None or not info.ranks:
+        return 0.0
+    widths = {s.name: s.width for s in layout.sites(info.full_shapes)}
+    return sum(r / widths[s] for s, r in info.ranks.items()) / len(info.ranks)
+
+
+def estimate_lines(family: str, ratio: float, width: int, height: int, batch: int, timeout: float = 600) -> list[str]:
+    """Sampling peak predicted by ``sdslim_core.vram`` (fake tensors, in a subprocess) for a square of equal area."""
+    from sdslim_core.vram.estimate import estimate_sampling
+    from sdslim_core.vram.settings import Settings
+    side = max(64, int(round(math.sqrt(width * height) / 8)) * 8)
+    note = "" if side == width == height else f" (square {side}px of equal area)"
+    try:
+        results = estimate_sampling(Settings(arch=family, resolution=side, slim_ratio=round(ratio, 3)),
+                                    batch_sizes=(batch,), timeout=timeout)
+    except Exception as err:  # the estimator is optional: report why it did not run
+        return [f"estimate {width}x{height} batch {batch}: unavailable ({str(err).strip().splitlines()[-1][:300]})"]
+    lines = [f"estimate for {width}x{height}{note}, batch {batch}:"]
+    for r in results:
+        lines.extend("  " + line for line in r.format_text().splitlines())
+    return lines
+
+
+def _rss():
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.Process().memory_info().rss

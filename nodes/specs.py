@@ -1,0 +1,124 @@
+"""The sdslim nodes, declared once; ``v3`` and ``v1`` turn each spec into a ComfyUI node class.
+
+A spec's ``run(**inputs)`` returns a :class:`Result`; implementations live in ``actions`` and are imported
+only when a node runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+CATEGORY = "sdslim"
+
+
+@dataclasses.dataclass(frozen=True)
+class In:
+    """One input. ``kind``: MODEL, CLIP, CONDITIONING, LATENT, ANY, FLOAT, INT, BOOLEAN, STRING or COMBO."""
+    name: str
+    kind: str
+    default: object = None
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    options: Callable[[], list] | None = None      # COMBO choices, evaluated each time the UI asks
+    optional: bool = False
+    multiline: bool = False
+    tooltip: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    kind: str
+    name: str
+    tooltip: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    values: tuple
+    text: str | None = None          # shown on the node (UI text) when set
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    node_id: str
+    display_name: str
+    description: str
+    inputs: tuple
+    outputs: tuple
+    action: str                      # function name in nodes/actions.py
+    output_node: bool = False
+    always_run: bool = False         # re-run on every queue (IS_CHANGED / fingerprint → NaN)
+    category: str = CATEGORY
+
+    def run(self, **inputs) -> Result:
+        actions = importlib.import_module(__package__ + ".actions")
+        return getattr(actions, self.action)(**inputs)
+
+
+def _adapter_files() -> list:
+    import folder_paths
+
+    from . import paths
+    return paths.adapter_files(folder_paths)
+
+
+SLIM = NodeSpec(
+    "SdslimSlimUNet", "Slim UNet (sdslim)",
+    "Folds trained sdslim adapters into the UNet after the LoRAs already applied to this MODEL: fewer weights, "
+    "same ControlNet/IP-Adapter compatibility. The input MODEL is not modified.",
+    (In("model", "MODEL", tooltip="SD1.x/SD2.x/SDXL model, with its LoRAs already applied"),
+     In("adapters", "COMBO", options=_adapter_files, tooltip="adapter file from models/sdslim"),
+     In("strength", "FLOAT", 1.0, 0.0, 1.0, 0.05,
+        tooltip="fraction of the adapter's sites to fold, lowest recorded error first"),
+     In("enable", "BOOLEAN", True, tooltip="off: pass the MODEL through unchanged")),
+    (Out("MODEL", "MODEL", "the slim model"),),
+    "slim")
+
+TRAIN = NodeSpec(
+    "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
+    "Distils slim adapters for this MODEL and saves them to models/sdslim (resumable: run again to continue).",
+    (In("model", "MODEL"),
+     In("filename", "STRING", "slim_adapters", tooltip="file name in models/sdslim"),
+     In("ratio", "FLOAT", 0.5, 0.05, 1.0, 0.05, tooltip="bottleneck width as a fraction of each site's width"),
+     In("steps", "INT", 200, 1, 100000, 1, tooltip="training steps"),
+     In("seed", "INT", 0, 0, 2 ** 31 - 1, 1),
+     In("positive", "CONDITIONING", optional=True, tooltip="calibration conditioning (else: prompts via CLIP)"),
+     In("clip", "CLIP", optional=True, tooltip="encodes 'prompts' when no conditioning is given"),
+     In("prompts", "STRING", "", multiline=True, optional=True, tooltip="one calibration prompt per line"),
+     In("budget", "STRING", "", optional=True,
+        tooltip="instead of ratio: UNet parameters ('600M') or weight bytes ('1.2GB') to keep")),
+    (Out("STRING", "report"),),
+    "train", output_node=True)
+
+VRAM_REPORT = NodeSpec(
+    "SdslimVramReport", "VRAM Report (sdslim)",
+    "Where VRAM goes now: device, loaded models, UNet breakdown (original vs slim), peak of the last sampling, "
+    "and an estimate for a resolution and batch. Re-runs every time.",
+    (In("model", "MODEL", optional=True),
+     In("model_b", "MODEL", optional=True, tooltip="a second model to compare (e.g. the original)"),
+     In("trigger", "ANY", optional=True, tooltip="connect e.g. the LATENT from KSampler to report after sampling"),
+     In("width", "INT", 1024, 64, 8192, 8, optional=True),
+     In("height", "INT", 1024, 64, 8192, 8, optional=True),
+     In("batch", "INT", 1, 1, 64, 1, optional=True),
+     In("estimate", "BOOLEAN", False, optional=True, tooltip="run the VRAM estimator (a subprocess, seconds)")),
+    (Out("STRING", "report"),),
+    "vram_report", output_node=True, always_run=True)
+
+VRAM_MONITOR = NodeSpec(
+    "SdslimVramMonitor", "VRAM Monitor (sdslim)",
+    "Passes the MODEL through, recording the peak memory of each sampling for VRAM Report "
+    "(Slim UNet records it too).",
+    (In("model", "MODEL"),),
+    (Out("MODEL", "MODEL"),),
+    "vram_monitor")
+
+BREAKDOWN = NodeSpec(
+    "SdslimUNetBreakdown", "UNet Breakdown (sdslim)",
+    "Parameters of the UNet by component (ResNet, Transformer, …); for a slim model also the original and ratio.",
+    (In("model", "MODEL"),),
+    (Out("STRING", "table"),),
+    "breakdown", output_node=True)
+
+SPECS = (SLIM, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN)

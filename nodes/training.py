@@ -1,0 +1,58 @@
+"""Train Slim Adapters inside ComfyUI: gathers what the trainer needs from ComfyUI objects, then calls
+``sdslim_core.train.train_adapters``. The MODEL's LoRAs are merged into the teacher; the MODEL is not modified."""
+from __future__ import annotations
+
+import torch
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+
+from sdslim_core import layout
+
+from . import folding, paths
+
+
+def calibration_contexts(positive=None, clip=None, prompts: str = "") -> list:
+    """Cross-attention contexts for calibration: from CONDITIONING, else from ``prompts`` encoded by ``clip``."""
+    if positive:
+        return [c[0] for c in positive]
+    lines = [p.strip() for p in (prompts or "").splitlines() if p.strip()]
+    if clip is None or not lines:
+        raise ValueError("sdslim: Train Slim Adapters needs calibration conditioning: connect 'positive', or a "
+                         "CLIP plus one prompt per line in 'prompts'")
+    return [clip.encode_from_tokens(clip.tokenize(p)) for p in lines]
+
+
+def teacher(model) -> tuple[dict, layout.UNetConfig]:
+    """(canonical float32 UNet weights with the MODEL's patches merged, on the CPU; its UNetConfig)."""
+    kp = model.get_key_patches(folding.PREFIX)
+    folding.check_weights(kp)
+    get = folding.merged_getter(kp, torch.device("cpu"), set())
+    weights = {k[len(folding.PREFIX):]: get(k[len(folding.PREFIX):]) for k in kp}
+    unet = model.model.diffusion_model
+    heads = {k: int(getattr(unet, k)) for k in ("num_heads", "num_head_channels")
+             if isinstance(getattr(unet, k, None), int) and getattr(unet, k) > 0}
+    return weights, layout.config_from_state_dict(weights, heads)
+
+
+def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="") -> str:
+    """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report."""
+    try:
+        from sdslim_core.train import Calibration, train_adapters
+    except ImportError as err:
+        raise RuntimeError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
+                           f"(pip install -r requirements.txt): {err}") from None
+    out = paths.output_path(folder_paths, filename)
+    calib = Calibration.from_contexts(calibration_contexts(positive, clip, prompts))
+    bar = comfy.utils.ProgressBar(1)
+
+    def progress(done, total, *_):
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        bar.update_absolute(done, total)
+
+    weights, cfg = teacher(model)
+    ranks = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
+    result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume=True, steps=steps,
+                            seed=seed, device=str(model.load_device), **ranks)
+    return f"adapters written to {out}\n\n{result.report}"

@@ -1,0 +1,31 @@
+"""Stand-in for ``comfy.utils``: attribute paths and a ProgressBar that records its updates."""
+UPDATES = []
+
+
+def get_attr(obj, attr):
+    for name in attr.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def set_attr(obj, attr, value):
+    names = attr.split(".")
+    for name in names[:-1]:
+        obj = getattr(obj, name)
+    prev = getattr(obj, names[-1])
+    setattr(obj, names[-1], value)
+    return prev
+
+
+class ProgressBar:
+    def __init__(self, total, node_id=None):
+        self.total, self.current, self.node_id = total, 0, node_id
+
+    def update_absolute(self, value, total=None, preview=None):
+        if total is not None:
+            self.total = total
+        self.current = min(value, self.total)
+        UPDATES.append((self.current, self.total))
+
+    def update(self, value):
+        self.update_absolute(self.current + value)

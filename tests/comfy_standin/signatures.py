@@ -1,0 +1,90 @@
+"""The ComfyUI names ``nodes/`` relies on, described comparably (parameter names, kinds and defaults).
+
+``python tests/comfy_standin/signatures.py --write`` with ComfyUI importable (``COMFYUI_PATH`` set, run with
+ComfyUI's Python) records them into ``tests/data/comfy_api_signatures.json``.
+"""
+import importlib
+import inspect
+import json
+import os
+import sys
+
+NAMES = (
+    "comfy.lora.calculate_weight",
+    "comfy.model_management.cast_to_device",
+    "comfy.model_management.throw_exception_if_processing_interrupted",
+    "comfy.model_management.get_torch_device",
+    "comfy.model_management.get_torch_device_name",
+    "comfy.model_management.get_total_memory",
+    "comfy.model_management.get_free_memory",
+    "comfy.model_management.module_size",
+    "comfy.model_management.current_loaded_models",
+    "comfy.model_patcher.wipe_lowvram_weight",
+    "comfy.model_patcher.create_model_options_clone",
+    "comfy.model_patcher.ModelPatcher.__init__",
+    "comfy.model_patcher.ModelPatcher.clone",
+    "comfy.model_patcher.ModelPatcher.model_size",
+    "comfy.model_patcher.ModelPatcher.model_dtype",
+    "comfy.model_patcher.ModelPatcher.add_patches",
+    "comfy.model_patcher.ModelPatcher.get_key_patches",
+    "comfy.model_patcher.ModelPatcher.add_wrapper_with_key",
+    "comfy.model_patcher.ModelPatcher.remove_wrappers_with_key",
+    "comfy.ops.CastWeightBiasOp.comfy_cast_weights",
+    "comfy.ops.disable_weight_init.Linear",
+    "comfy.ops.disable_weight_init.Conv2d",
+    "comfy.ops.disable_weight_init.GroupNorm",
+    "comfy.ops.manual_cast.Linear",
+    "comfy.utils.get_attr",
+    "comfy.utils.set_attr",
+    "comfy.utils.ProgressBar.__init__",
+    "comfy.utils.ProgressBar.update_absolute",
+    "comfy.patcher_extension.WrappersMP.OUTER_SAMPLE",
+    "folder_paths.models_dir",
+    "folder_paths.folder_names_and_paths",
+    "folder_paths.get_folder_paths",
+    "folder_paths.get_filename_list",
+    "folder_paths.get_full_path",
+)
+JSON_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                         "comfy_api_signatures.json")
+
+
+def resolve(name: str):
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(name)
+
+
+def describe(obj):
+    """Comparable description: parameters of a callable, bases of a class, the type of a value."""
+    if inspect.isclass(obj):
+        return {"class": sorted(b.__name__ for b in inspect.getmro(obj)[1:] if b.__module__.startswith("torch"))}
+    if callable(obj):
+        return [[p.name, p.kind.name, None if p.default is inspect.Parameter.empty else repr(p.default)]
+                for p in inspect.signature(obj).parameters.values()]
+    if isinstance(obj, bool) or isinstance(obj, str) and os.sep not in obj:     # paths differ per install
+        return {"value": obj}
+    return {"type": type(obj).__name__}
+
+
+def record() -> dict:
+    return {name: describe(resolve(name)) for name in NAMES}
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [os.environ["COMFYUI_PATH"]] + [p for p in sys.path if os.path.abspath(p or ".") != here]
+    from comfy.cli_args import args
+    args.cpu = True
+    data = record()
+    if "--write" in sys.argv:
+        with open(JSON_PATH, "w") as f:
+            json.dump({"comfyui": importlib.import_module("comfyui_version").__version__, "names": data}, f, indent=1)
+    print(json.dumps(data, indent=1))

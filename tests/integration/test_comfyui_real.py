@@ -1,0 +1,471 @@
+"""The node pack inside a real ComfyUI (opt-in: set COMFYUI_PATH to a ComfyUI checkout and run with its Python).
+
+    COMFYUI_PATH=/path/to/ComfyUI /path/to/comfy-venv/bin/python -m pytest tests/integration -q
+
+A tiny model with the SD1.5 block structure is built with ComfyUI's own ``supported_models.SD15`` classes; LoRAs go
+through ComfyUI's loader, ControlNet through its controlnet loader, sampling through ``common_ksampler``.
+References are computed here in float64 from the raw weights (not with sdslim_core.fold).
+Set COMFYUI_HTTP=1 as well to start the server once and queue a workflow over HTTP (about a minute).
+"""
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+COMFY = os.environ.get("COMFYUI_PATH")
+pytestmark = pytest.mark.skipif(not COMFY, reason="set COMFYUI_PATH to run against a real ComfyUI")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FF = "input_blocks.1.1.transformer_blocks.0.ff"
+RES = "input_blocks.1.0"
+ATTN = "input_blocks.1.1.transformer_blocks.0.attn2.to_q"
+sys.path.insert(0, os.path.join(ROOT, "tests", "comfy_standin"))
+from reference import fold64  # noqa: E402  (float64 formulas; the stand-in's comfy is never imported here)
+sys.path.pop(0)
+
+TINY_SD15 = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+             "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 32,
+             "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0],
+             "channel_mult": [1, 2, 4, 4], "transformer_depth_middle": 1, "use_linear_in_transformer": False,
+             "context_dim": 32, "num_heads": 8, "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+             "use_temporal_attention": False, "use_temporal_resblock": False}
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """ComfyUI imported on CPU, with the pack loaded the way ComfyUI loads custom nodes."""
+    sys.path.insert(0, COMFY)
+    sys.modules.pop("nodes", None)       # the repo's nodes/ package must not shadow ComfyUI's nodes.py
+    from comfy.cli_args import args
+    args.cpu = True
+    import comfy.controlnet
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.sd
+    import comfy.supported_models
+    import folder_paths
+    import nodes
+    assert nodes.__file__.startswith(os.path.realpath(COMFY)) or nodes.__file__.startswith(COMFY)
+    spec = importlib.util.spec_from_file_location("sdslim_pack", os.path.join(ROOT, "__init__.py"),
+                                                  submodule_search_locations=[ROOT])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules["sdslim_pack"] = pack
+    spec.loader.exec_module(pack)
+    return {"pack": pack, "nodes": nodes, "folder_paths": folder_paths, "mm": comfy.model_management,
+            "sd": comfy.sd, "controlnet": comfy.controlnet, "model_patcher": comfy.model_patcher,
+            "supported_models": comfy.supported_models}
+
+
+def _random_state(module_sd, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in module_sd.items():
+        if v.ndim == 1:
+            is_scale = k.endswith("weight") and any(n in k for n in ("norm", "in_layers.0", "out_layers.0", "out.0"))
+            out[k] = (1.0 if is_scale else 0.0) + 0.1 * torch.randn(v.shape, generator=g)
+        else:
+            out[k] = torch.randn(v.shape, generator=g) / v[0].numel() ** 0.5
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(comfy):
+    """(ModelPatcher of a tiny SD1.5-structure model, its UNet weights)."""
+    mc = comfy["supported_models"].SD15(dict(TINY_SD15))
+    mc.set_inference_dtype(torch.float32, None)
+    base = mc.get_model({}, "", device="cpu")
+    weights = _random_state(base.diffusion_model.state_dict(), 0)
+    base.diffusion_model.load_state_dict(weights)
+    patcher = comfy["model_patcher"].ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
+    return patcher, weights
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(comfy, tiny, tmp_path_factory):
+    """models/sdslim in a temp dir holding half-width and full-width adapter files for the tiny model."""
+    from sdslim_core import adapters, layout
+    folder = tmp_path_factory.mktemp("sdslim_models")
+    comfy["folder_paths"].add_model_folder_path("sdslim", str(folder), is_default=True)   # trained files land here
+    _, weights = tiny
+    for name, ratio in (("half.safetensors", 0.5), ("full.safetensors", 1.0)):
+        ranks = adapters.ranks_for_ratio(layout.sites(weights), ratio)
+        aset = adapters.AdapterSet.init_select(weights, ranks, "sd15")
+        g = torch.Generator().manual_seed(1)
+        if ratio < 1:   # non-trivial adapters: random mixing, not a selection
+            for t in aset.sites.values():
+                for n in t:
+                    t[n] = t[n] + 0.05 * torch.randn(t[n].shape, generator=g)
+            aset.metadata["sdslim.train"] = {"site_error": {s: i / 10 for i, s in enumerate(reversed(list(aset.sites)))}}
+        aset.save(folder / name)
+    return folder
+
+
+def _kohya_lora(weights, keys, seed, rank=4, alpha=2.0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for key in keys:
+        w = weights[key + ".weight"]
+        name = "lora_unet_" + key.replace(".", "_")
+        if w.ndim == 4:
+            up, down = torch.randn(w.shape[0], rank, 1, 1, generator=g), torch.randn(rank, *w.shape[1:], generator=g)
+        else:
+            up, down = torch.randn(w.shape[0], rank, generator=g), torch.randn(rank, w.shape[1], generator=g)
+        sd[name + ".lora_up.weight"], sd[name + ".lora_down.weight"] = up * 0.1, down * 0.1
+        sd[name + ".alpha"] = torch.tensor(alpha)
+    return sd
+
+
+def _lora_delta64(lora, key, shape, strength):
+    name = "lora_unet_" + key.replace(".", "_")
+    up, down = lora[name + ".lora_up.weight"].double(), lora[name + ".lora_down.weight"].double()
+    scale = strength * float(lora[name + ".alpha"]) / down.shape[0]
+    return scale * (up.flatten(1) @ down.flatten(1)).reshape(shape)
+
+
+def _snapshot(patcher):
+    return ({k: v.clone() for k, v in patcher.model.state_dict().items()},
+            {k: list(v) for k, v in patcher.patches.items()}, patcher.patches_uuid, patcher.model_size())
+
+
+def _assert_unchanged(patcher, snap):
+    sd, patches, uuid_, size = snap
+    now = patcher.model.state_dict()
+    assert now.keys() == sd.keys()
+    for k in sd:
+        assert now[k].shape == sd[k].shape and torch.equal(now[k], sd[k]), k
+    assert {k: list(v) for k, v in patcher.patches.items()} == patches
+    assert patcher.patches_uuid == uuid_ and patcher.model_size() == size
+
+
+def _node(comfy, node_id):
+    return {c.define_schema().node_id: c for c in _v3_classes(comfy)}[node_id]
+
+
+def _v3_classes(comfy):
+    import asyncio
+    ext = asyncio.run(comfy["pack"].comfy_entrypoint())
+    return asyncio.run(ext.get_node_list())
+
+
+def _forward(patcher, x, t, ctx, control=None):
+    with torch.no_grad():
+        return patcher.model.diffusion_model(x, t, context=ctx, control=control)
+
+
+def _inputs(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 4, 16, 16, generator=g), torch.tensor([420.0]), torch.randn(1, 5, 32, generator=g)
+
+
+# --------------------------------------------------------------------------------------------------- tests
+
+def test_registration_v3_v1_and_folder(comfy, adapter_dir):
+    classes = _v3_classes(comfy)
+    ids = {c.define_schema().node_id for c in classes}
+    assert ids == {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor",
+                   "SdslimUNetBreakdown"}
+    slim_schema = _node(comfy, "SdslimSlimUNet").GET_SCHEMA() if hasattr(classes[0], "GET_SCHEMA") else None
+    assert slim_schema is None or slim_schema.node_id == "SdslimSlimUNet"
+    v1, names = comfy["pack"].nodes.entry.v1_mappings()
+    info = v1["SdslimSlimUNet"].INPUT_TYPES()
+    assert {"half.safetensors", "full.safetensors"} <= set(info["required"]["adapters"][0])
+    assert v1["SdslimVramReport"].IS_CHANGED() != v1["SdslimVramReport"].IS_CHANGED()   # NaN: always re-runs
+    fp = comfy["folder_paths"]
+    paths, exts = fp.folder_names_and_paths["sdslim"]
+    assert os.path.join(fp.models_dir, "sdslim") in paths and str(adapter_dir) in paths and ".safetensors" in exts
+
+
+def test_slim_matches_float64_reference_and_keeps_original(comfy, tiny, adapter_dir):
+    patcher, weights = tiny
+    lora = _kohya_lora(weights, [f"{FF}.net.0.proj", f"{RES}.in_layers.2", f"{RES}.out_layers.3", ATTN], seed=5)
+    with_lora, _ = comfy["sd"].load_lora_for_models(patcher, None, lora, 0.8, 0.0)
+    assert len(with_lora.patches) == 4
+    snap_in, snap_orig = _snapshot(with_lora), _snapshot(patcher)
+
+    slim_node = _node(comfy, "SdslimSlimUNet")
+    (slim,) = slim_node.execute(model=with_lora, adapters="half.safetensors", strength=1.0, enable=True).args
+
+    from sdslim_core.adapters import AdapterSet
+    aset = AdapterSet.load(adapter_dir / "half.safetensors")
+    deltas = {k + ".weight": _lora_delta64(lora, k, weights[k + ".weight"].shape, 0.8)
+              for k in (f"{FF}.net.0.proj", f"{RES}.in_layers.2", f"{RES}.out_layers.3")}
+    got = slim.model.diffusion_model.state_dict()
+    for site, kind in ((FF, "ff"), (RES, "res"), ("middle_block.0", "res"), ("output_blocks.11.1.transformer_blocks.0.ff", "ff")):
+        for key, ref in fold64(weights, aset.sites[site], site, kind, deltas).items():
+            assert got[key].shape == ref.shape, key
+            torch.testing.assert_close(got[key].double(), ref, rtol=1e-5, atol=1e-6, msg=key)
+    # the attention LoRA is carried as a patch (not merged): applied when the slim model loads
+    assert list(slim.patches) == ["diffusion_model." + ATTN + ".weight"]
+    assert slim.model_size() < with_lora.model_size()
+    assert type(slim.model.diffusion_model.input_blocks[1][0]).__name__ == "ResBlock"
+    _assert_unchanged(with_lora, snap_in)
+    _assert_unchanged(patcher, snap_orig)
+    assert slim.model is not with_lora.model and slim.model.model_sampling is not with_lora.model.model_sampling
+
+
+def test_full_width_adapters_reproduce_the_lora_model_and_original_is_isolated(comfy, tiny, adapter_dir):
+    patcher, weights = tiny
+    lora = _kohya_lora(weights, [f"{FF}.net.0.proj", f"{RES}.in_layers.2", ATTN], seed=6)
+    with_lora, _ = comfy["sd"].load_lora_for_models(patcher, None, lora, 1.0, 0.0)
+    snap = _snapshot(with_lora)
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=with_lora, adapters="full.safetensors", strength=1.0,
+                                                     enable=True).args
+    x, t, ctx = _inputs()
+    with_lora.patch_model()
+    try:
+        ref = _forward(with_lora, x, t, ctx)
+    finally:
+        with_lora.unpatch_model()
+    slim.patch_model()
+    try:
+        out = _forward(slim, x, t, ctx)
+    finally:
+        slim.unpatch_model()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    _assert_unchanged(with_lora, snap)
+
+
+def test_disable_passes_through_and_strength_selects_lowest_error(comfy, tiny, adapter_dir):
+    patcher, _ = tiny
+    node = _node(comfy, "SdslimSlimUNet")
+    assert node.execute(model=patcher, adapters="half.safetensors", strength=1.0, enable=False).args[0] is patcher
+    (part,) = node.execute(model=patcher, adapters="half.safetensors", strength=0.25, enable=True).args
+    from sdslim_core.adapters import AdapterSet
+    aset = AdapterSet.load(adapter_dir / "half.safetensors")
+    errors = aset.site_errors()
+    chosen = set(part.model.sdslim_info.ranks)
+    assert len(chosen) == round(0.25 * len(aset.sites))
+    assert max(errors[s] for s in chosen) < min(errors[s] for s in set(aset.sites) - chosen)
+
+
+def test_sampling_lowvram_and_lora_after_slim(comfy, tiny, adapter_dir, caplog):
+    patcher, weights = tiny
+    snap = _snapshot(patcher)
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=patcher, adapters="half.safetensors", strength=1.0,
+                                                     enable=True).args
+    late = _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj"], seed=7)
+    slim_lora, _ = comfy["sd"].load_lora_for_models(slim, None, late, 1.0, 0.0)
+    # sampling through ComfyUI's KSampler path; the misfit FF key is named in a warning
+    cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
+    latent = {"samples": torch.zeros(1, 4, 16, 16)}
+    with caplog.at_level(logging.WARNING, logger="sdslim"):
+        (out,) = comfy["nodes"].common_ksampler(slim_lora, 1, 2, 5.0, "euler", "normal", cond, cond, latent)
+    assert torch.isfinite(out["samples"]).all() and out["samples"].abs().sum() > 0
+    misfit = [r.getMessage() for r in caplog.records if "was made for" in r.getMessage()]
+    assert len(misfit) == 1 and f"{FF}.net.0.proj.weight" in misfit[0]
+    record = comfy["pack"].nodes.monitor.LAST_SAMPLING
+    assert record["slim"] and record["seconds"] > 0 and record["latent_shape"] == [1, 4, 16, 16]
+
+    # the fitting attention LoRA applies to the slim model, under full load and under lowvram alike
+    x, t, ctx = _inputs()
+    outs = {}
+    for name, budget in (("full", 0), ("lowvram", 200_000)):
+        slim_lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
+        try:
+            outs[name] = _forward(slim_lora, x, t, ctx)
+            if budget:
+                assert slim_lora.model.model_lowvram and slim_lora.lowvram_patch_counter() > 0
+        finally:
+            slim_lora.unpatch_model()
+    torch.testing.assert_close(outs["lowvram"], outs["full"], rtol=1e-5, atol=1e-5)
+    slim.patch_model()
+    try:
+        no_lora = _forward(slim, x, t, ctx)
+    finally:
+        slim.unpatch_model()
+    assert (outs["full"] - no_lora).abs().max() > 1e-4
+    _assert_unchanged(patcher, snap)        # shared storage: loading/patching the slim model never writes back
+
+
+def _tiny_controlnet_sd(seed=9):
+    """An LDM-format ('control_model.' prefix) ControlNet state dict for the tiny UNet, random weights."""
+    import comfy.cldm.cldm as cldm
+    import comfy.ops as ops
+    cfg = {k: v for k, v in TINY_SD15.items() if k not in ("out_channels", "transformer_depth_output")}
+    net = cldm.ControlNet(hint_channels=3, operations=ops.disable_weight_init, dtype=torch.float32,
+                          device="cpu", **cfg)
+    return {"control_model." + k: v for k, v in _random_state(net.state_dict(), seed).items()}
+
+
+def test_controlnet_residuals_reach_the_slim_unet(comfy, tiny, adapter_dir, monkeypatch):
+    patcher, _ = tiny
+    # ComfyUI detects an unknown (tiny) ControlNet as supported_models_base.BASE, whose default 64-wide heads
+    # leave a 32-channel block with no head at all; give it SD1.5's 8 heads (shapes are unaffected).
+    import comfy.supported_models_base as models_base
+    monkeypatch.setattr(models_base.BASE, "unet_extra_config", {"num_heads": 8, "num_head_channels": -1})
+    control = comfy["controlnet"].load_controlnet_state_dict(_tiny_controlnet_sd())
+    assert control is not None
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=patcher, adapters="half.safetensors", strength=1.0,
+                                                     enable=True).args
+    cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
+    hint = torch.rand(1, 128, 128, 3, generator=torch.Generator().manual_seed(4))
+    apply = comfy["nodes"].ControlNetApplyAdvanced()
+    pos, neg = apply.apply_controlnet(cond, cond, control, hint, 1.0, 0.0, 1.0)
+    latent = {"samples": torch.zeros(1, 4, 16, 16)}
+    (plain,) = comfy["nodes"].common_ksampler(slim, 1, 2, 5.0, "euler", "normal", cond, cond, latent)
+    (ctrl,) = comfy["nodes"].common_ksampler(slim, 1, 2, 5.0, "euler", "normal", pos, neg, latent)
+    assert torch.isfinite(ctrl["samples"]).all()
+    assert (ctrl["samples"] - plain["samples"]).abs().max() > 1e-3
+
+
+def test_report_breakdown_and_monitor_nodes(comfy, tiny, adapter_dir):
+    patcher, _ = tiny
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=patcher, adapters="half.safetensors", strength=1.0,
+                                                     enable=True).args
+    (mon,) = _node(comfy, "SdslimVramMonitor").execute(model=patcher).args
+    assert mon is not patcher and "sdslim" in mon.wrappers["outer_sample"] and not patcher.wrappers.get("outer_sample")
+    table = _node(comfy, "SdslimUNetBreakdown").execute(model=slim)
+    text = table.args[0]
+    assert "original vs slim" in text and table.ui.as_dict()["text"] == (text,)
+    from sdslim_core import breakdown
+    full = breakdown.count({k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()})
+    now = breakdown.count({k: tuple(v.shape) for k, v in slim.model.diffusion_model.state_dict().items()})
+    assert f"{full['total']:,}" in text and f"{now['total']:,}" in text and now["total"] < full["total"]
+    comfy["mm"].load_models_gpu([slim])
+    report = _node(comfy, "SdslimVramReport").execute(model=slim, model_b=patcher).args[0]
+    assert "CPU only" in report and "RAM total" in report
+    assert "BaseModel (slim)" in report and f"{now['total']:,}" in report
+    assert _node(comfy, "SdslimVramReport").fingerprint_inputs() != _node(comfy, "SdslimVramReport").fingerprint_inputs()
+
+
+def test_errors_name_the_file_and_key(comfy, tiny, adapter_dir, tmp_path):
+    patcher, weights = tiny
+    from sdslim_core import adapters, layout
+    ranks = adapters.ranks_for_ratio(layout.sites(weights), 0.5)
+    other = adapters.AdapterSet.init_select(weights, ranks, "sd2")
+    other.save(adapter_dir / "sd2.safetensors")
+    node = _node(comfy, "SdslimSlimUNet")
+    with pytest.raises(ValueError, match=r"sd2\.safetensors.*sd2.*sd15"):
+        node.execute(model=patcher, adapters="sd2.safetensors", strength=1.0, enable=True)
+    with pytest.raises(FileNotFoundError, match="gone.safetensors"):
+        node.execute(model=patcher, adapters="gone.safetensors", strength=1.0, enable=True)
+    # a quantised weight (GGUF keeps raw uint8 blocks) is refused by key, before anything is built
+    quant = patcher.clone()
+    key = f"diffusion_model.{FF}.net.2.weight"
+    kp = patcher.get_key_patches("diffusion_model.")
+    kp[key] = [(torch.zeros(kp[key][0][0].shape, dtype=torch.uint8), kp[key][0][1])]
+    quant.get_key_patches = lambda prefix=None: kp
+    with pytest.raises(ValueError, match=f"{key}.*quantised"):
+        node.execute(model=quant, adapters="half.safetensors", strength=1.0, enable=True)
+
+
+
+
+# ------------------------------------------------------------------------------------------------ HTTP path
+
+def _get(url):
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.load(r)
+
+
+@pytest.mark.skipif(os.environ.get("COMFYUI_HTTP") != "1", reason="set COMFYUI_HTTP=1 to start the server")
+def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
+    """main.py with the pack in a custom_nodes dir and models/sdslim from extra_model_paths.yaml."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    (tmp_path / "custom_nodes").mkdir()
+    (tmp_path / "custom_nodes" / "sdslim").symlink_to(ROOT)
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "from_yaml.safetensors").write_bytes(b"")
+    (tmp_path / "extra.yaml").write_text(f"test:\n  custom_nodes: {tmp_path / 'custom_nodes'}\n"
+                                         f"  sdslim: {tmp_path / 'adapters'}\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+                             "--extra-model-paths-config", str(tmp_path / "extra.yaml")],
+                            cwd=COMFY, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                _get(base + "/system_stats")
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        info = _get(base + "/object_info")
+        ids = {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor", "SdslimUNetBreakdown"}
+        assert ids <= set(info), (tmp_path / "server.log").read_text()[-3000:]
+        assert "from_yaml.safetensors" in info["SdslimSlimUNet"]["input"]["required"]["adapters"][1]["options"]
+        workflows = os.path.join(ROOT, "workflows")
+        for name in sorted(os.listdir(workflows)):
+            graph = json.load(open(os.path.join(workflows, name)))
+            types = {n["type"] for n in graph["nodes"]} if "nodes" in graph else {n["class_type"] for n in graph.values()}
+            assert types <= set(info), (name, types - set(info))
+        prompt = json.load(open(os.path.join(workflows, "vram_report_only.api.json")))
+        req = urllib.request.Request(base + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            prompt_id = json.load(r)["prompt_id"]
+        for _ in range(240):
+            history = _get(f"{base}/history/{prompt_id}")
+            if prompt_id in history:
+                break
+            time.sleep(0.5)
+        entry = history[prompt_id]
+        assert entry["status"]["status_str"] == "success", entry["status"]
+        text = entry["outputs"]["1"]["text"][0]
+        assert "CPU only" in text and "loaded models:" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_recorded_signatures_match_this_comfyui(comfy):
+    """tests/data/comfy_api_signatures.json (which the CI stand-in is checked against) still describes ComfyUI."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "comfy_standin"))
+    try:
+        import signatures
+    finally:
+        sys.path.pop(0)
+    recorded = json.load(open(signatures.JSON_PATH))["names"]
+    assert signatures.record() == recorded
+
+
+def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapter_dir, monkeypatch):
+    import dataclasses
+
+    from sdslim_core import layout
+    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.train import config as train_config
+    from sdslim_core.train import run as train_run
+
+    @dataclasses.dataclass
+    class Quick(train_config.TrainConfig):       # tiny calibration so the test takes seconds, same code path
+        n_trajectories: int = 2
+        sample_steps: int = 2
+        latent_size: int = 8
+        tokens_per_sample: int = 16
+        ff_tokens: int = 256
+        res_maps: int = 8
+        init_methods: tuple = ("select", "act_select")
+        rank_grid: tuple = (0.5,)
+    monkeypatch.setattr(train_run, "TrainConfig", Quick)
+    patcher, weights = tiny
+    with_lora, _ = comfy["sd"].load_lora_for_models(patcher, None, _kohya_lora(weights, [ATTN], seed=11), 1.0, 0.0)
+    snap = _snapshot(with_lora)
+    cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
+    node = _node(comfy, "SdslimTrainAdapters")
+    out = node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond)
+    assert "adapters written to" in out.args[0] and out.ui.as_dict()["text"] == (out.args[0],)
+    aset = AdapterSet.load(adapter_dir / "trained.safetensors")
+    assert aset.family == "sd15" and set(aset.sites) == {s.name for s in layout.sites(weights)}
+    node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond)   # resumes
+    again = AdapterSet.load(adapter_dir / "trained.safetensors")
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in aset.state_dict().items())
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=with_lora, adapters="trained.safetensors", strength=1.0,
+                                                     enable=True).args
+    assert slim.model_size() < with_lora.model_size()
+    _assert_unchanged(with_lora, snap)
+    with pytest.raises(ValueError, match="needs calibration conditioning"):
+        node.execute(model=with_lora, filename="x", ratio=0.5, steps=2, seed=0)

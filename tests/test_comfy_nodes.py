@@ -1,0 +1,326 @@
+"""ComfyUI node logic without ComfyUI: the pack runs against tests/comfy_standin (checked against the recorded
+real signatures in test_comfy_standin.py). References are float64 formulas or a second code path."""
+import copy
+import importlib
+import importlib.util
+import logging
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import ldm_unet, randomize_, tiny_config
+from sdslim_core import adapters, breakdown, layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN = os.path.join(ROOT, "tests", "comfy_standin")
+FF = "input_blocks.1.1.transformer_blocks.0.ff"
+RES = "input_blocks.1.0"
+
+
+@pytest.fixture(scope="module")
+def pack():
+    """The pack's ``nodes`` package imported against the stand-in; sys.modules/sys.path restored afterwards."""
+    saved_path = list(sys.path)
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in ("comfy", "folder_paths", "reference")}
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, STANDIN)
+    spec = importlib.util.spec_from_file_location("sdslim_nodes_under_test", os.path.join(ROOT, "nodes", "__init__.py"),
+                                                  submodule_search_locations=[os.path.join(ROOT, "nodes")])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pkg
+    spec.loader.exec_module(pkg)
+    mods = {name: importlib.import_module(f"{spec.name}.{name}")
+            for name in ("paths", "specs", "v1", "folding", "monitor", "report")}
+    mods["comfy"] = importlib.import_module("comfy.model_management"), importlib.import_module("comfy.utils")
+    mods["folder_paths"] = importlib.import_module("folder_paths")
+    mods["fold64"] = importlib.import_module("reference").fold64
+    yield types.SimpleNamespace(**mods)
+    for k in [k for k in sys.modules if k.split(".")[0] in ("comfy", "folder_paths", "reference", spec.name)]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+    sys.path[:] = saved_path
+
+
+def _comfy_classes(unet, ops):
+    """Give the LDM layers ComfyUI's op classes (the stand-in's), as ComfyUI builds them."""
+    for m in unet.modules():
+        for plain, op in ((torch.nn.Linear, ops.disable_weight_init.Linear), (torch.nn.Conv2d, ops.disable_weight_init.Conv2d),
+                          (torch.nn.GroupNorm, ops.disable_weight_init.GroupNorm)):
+            if isinstance(m, plain) and not hasattr(m, "comfy_cast_weights"):
+                m.__class__ = op
+    return unet
+
+
+@pytest.fixture
+def model(pack):
+    """(stand-in ModelPatcher over a tiny float64 LDM UNet, canonical weights copy)."""
+    import comfy.model_patcher
+    import comfy.ops
+    torch.manual_seed(0)
+    unet = _comfy_classes(randomize_(ldm_unet(tiny_config())).eval(), comfy.ops)
+    base = torch.nn.Module()
+    base.diffusion_model = unet
+    base.model_sampling = torch.nn.Module()
+    weights = {k: v.clone() for k, v in unet.state_dict().items()}
+    return comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu")), weights
+
+
+def _aset(weights, ratio, seed=1):
+    ranks = adapters.ranks_for_ratio(layout.sites(weights), ratio)
+    aset = adapters.AdapterSet.init_select(weights, ranks, "sd15")
+    if ratio < 1:
+        g = torch.Generator().manual_seed(seed)
+        for t in aset.sites.values():
+            for n in t:
+                t[n] = (t[n] + 0.05 * torch.randn(t[n].shape, generator=g, dtype=torch.float64)).to(t[n].dtype)
+    return aset
+
+
+def _forward(unet, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 4, 16, 16, generator=g, dtype=torch.float64)
+    ctx = torch.randn(1, 5, 64, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        return unet(x, torch.tensor([300.0]), context=ctx)
+
+
+# ---------------------------------------------------------------------------------------- registration
+
+def test_root_init_is_inert_without_comfyui():
+    code = ("import importlib, importlib.util, sys\n"
+            "m = importlib.import_module('__init__')\n"
+            "spec = importlib.util.spec_from_file_location('pack', '__init__.py', submodule_search_locations=['.'])\n"
+            "p = importlib.util.module_from_spec(spec); sys.modules['pack'] = p; spec.loader.exec_module(p)\n"
+            "for mod in (m, p):\n"
+            "    assert mod.NODE_CLASS_MAPPINGS is None and not hasattr(mod, 'comfy_entrypoint')\n"
+            "heavy = [k for k in ('torch', 'comfy', 'folder_paths', 'sdslim_core') if k in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_folder_registration_keeps_yaml_paths_and_is_idempotent(pack, tmp_path):
+    fp = pack.folder_paths
+    fp.models_dir = str(tmp_path / "models")
+    fp.folder_names_and_paths.clear()
+    fp.folder_names_and_paths["sdslim"] = ([str(tmp_path / "yaml")], set())        # from extra_model_paths.yaml
+    default = os.path.join(fp.models_dir, "sdslim")
+    assert pack.paths.register(fp) == [str(tmp_path / "yaml"), default]
+    assert pack.paths.register(fp) == [str(tmp_path / "yaml"), default]
+    assert fp.folder_names_and_paths["sdslim"][1] == {".safetensors"}
+    fp.folder_names_and_paths.clear()
+    assert pack.paths.register(fp) == [default]
+
+
+def test_adapter_lookup_and_output_names(pack, tmp_path):
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    fp.folder_names_and_paths["sdslim"] = ([str(tmp_path)], {".safetensors"})
+    (tmp_path / "a.safetensors").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("x")
+    assert pack.paths.adapter_files(fp) == ["a.safetensors"]
+    assert pack.paths.resolve(fp, "a.safetensors") == str(tmp_path / "a.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"'b\.safetensors' not found in models/sdslim.*" + str(tmp_path)):
+        pack.paths.resolve(fp, "b.safetensors")
+    assert pack.paths.output_path(fp, "mine") == str(tmp_path / "mine.safetensors")
+    for bad in ("", "../x", "/abs/x", "a/../../x"):
+        with pytest.raises(ValueError, match="relative name inside models/sdslim"):
+            pack.paths.output_path(fp, bad)
+
+
+def test_v1_classes_follow_the_specs(pack, tmp_path):
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    fp.folder_names_and_paths["sdslim"] = ([str(tmp_path)], {".safetensors"})
+    (tmp_path / "half.safetensors").write_bytes(b"")
+    classes = {s.node_id: pack.v1.node_class(s) for s in pack.specs.SPECS}
+    slim = classes["SdslimSlimUNet"].INPUT_TYPES()
+    assert list(slim["required"]) == ["model", "adapters", "strength", "enable"]
+    assert slim["required"]["adapters"][0] == ["half.safetensors"]
+    assert slim["required"]["strength"] == ("FLOAT", {"tooltip": slim["required"]["strength"][1]["tooltip"],
+                                                      "default": 1.0, "min": 0.0, "max": 1.0, "step": 0.05})
+    assert classes["SdslimSlimUNet"].RETURN_TYPES == ("MODEL",) and not classes["SdslimSlimUNet"].OUTPUT_NODE
+    report = classes["SdslimVramReport"]
+    assert report.OUTPUT_NODE and math.isnan(report.IS_CHANGED())
+    assert not any(hasattr(c, "IS_CHANGED") for n, c in classes.items() if n != "SdslimVramReport")
+    trigger = report.INPUT_TYPES()["optional"]["trigger"][0]
+    assert not (trigger != "LATENT") and not (trigger != "IMAGE")          # the wildcard matches any type
+
+    class Echo(pack.specs.NodeSpec):
+        def run(self, **inputs):
+            return pack.specs.Result((inputs["x"] * 2,), f"x={inputs['x']}")
+    echo = pack.v1.node_class(Echo("E", "E", "", (pack.specs.In("x", "INT", 1),), (pack.specs.Out("INT", "y"),), ""))
+    assert echo().run(x=4) == {"ui": {"text": ["x=4"]}, "result": (8,)}
+
+
+# ------------------------------------------------------------------------------------------------ folding
+
+def test_slim_equals_float64_reference_after_lora_and_leaves_input_untouched(pack, model):
+    patcher, weights = model
+    g = torch.Generator().manual_seed(5)
+    lora = {k: 0.05 * torch.randn(weights[k].shape, generator=g, dtype=torch.float64)
+            for k in (f"{FF}.net.0.proj.weight", f"{RES}.in_layers.2.weight", f"{RES}.out_layers.0.weight",
+                      f"{FF}.net.2.bias", "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight")}
+    with_lora = patcher.clone()
+    with_lora.add_patches({"diffusion_model." + k: ("diff", (d,)) for k, d in lora.items()}, 0.7)
+    with_lora.model_options["transformer_options"]["mine"] = [1]
+    before = {k: v.clone() for k, v in with_lora.model.state_dict().items()}
+    patches_before = {k: list(v) for k, v in with_lora.patches.items()}
+    aset = _aset(weights, 0.5)
+    seen = []
+    slim = pack.folding.slim_patcher(with_lora, aset, progress=lambda d, n: seen.append((d, n)))
+
+    assert seen == [(i + 1, len(aset.sites)) for i in range(len(aset.sites))]
+    deltas = {k: 0.7 * d for k, d in lora.items()}
+    got = slim.model.diffusion_model.state_dict()
+    for site in aset.sites:
+        for key, ref in pack.fold64(weights, aset.sites[site], site, aset.kind(site), deltas).items():
+            torch.testing.assert_close(got[key], ref, rtol=1e-9, atol=1e-10, msg=key)
+    torch.testing.assert_close(got[f"{FF}.net.2.bias"], weights[f"{FF}.net.2.bias"] + deltas[f"{FF}.net.2.bias"])
+    # unslimmed keys keep their patches (lazy), norm2's patch is dropped, options/wrappers carried
+    assert list(slim.patches) == ["diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"]
+    assert slim.model_options["transformer_options"]["mine"] == [1]
+    assert slim.model_options is not with_lora.model_options
+    assert "sdslim" in slim.wrappers["outer_sample"] and "outer_sample" not in with_lora.wrappers
+    # built from the op classes, ResBlock still the LDM ResBlock, GroupNorm' with the adapter's groups
+    res = slim.model.diffusion_model.input_blocks[1][0]
+    assert type(res).__name__ == "ResBlock" and res is not with_lora.model.diffusion_model.input_blocks[1][0]
+    norm = res.out_layers[0]
+    assert hasattr(norm, "comfy_cast_weights") and norm.num_groups == aset.groups(RES)
+    assert norm.num_channels == aset.rank(RES)
+    # the input: same tensors, same patches, same model object, untouched modules not shared
+    for k, v in with_lora.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert {k: list(v) for k, v in with_lora.patches.items()} == patches_before
+    assert slim.model is not with_lora.model
+    shared = {id(p) for p in with_lora.model.parameters()} & {id(p) for p in slim.model.parameters()}
+    assert not shared
+    assert slim.model.sdslim_info.slim_keys and slim.model_size() < with_lora.model_size()
+
+
+def test_full_width_adapters_reproduce_the_patched_model(pack, model):
+    """Second code path: the LoRA-patched original's forward (weights patched by hand) vs the slim model's."""
+    patcher, weights = model
+    g = torch.Generator().manual_seed(8)
+    delta = 0.05 * torch.randn(weights[f"{FF}.net.0.proj.weight"].shape, generator=g, dtype=torch.float64)
+    with_lora = patcher.clone()
+    with_lora.add_patches({f"diffusion_model.{FF}.net.0.proj.weight": ("diff", (delta,))})
+    slim = pack.folding.slim_patcher(with_lora, _aset(weights, 1.0))
+    ref_unet = copy.deepcopy(patcher.model.diffusion_model)
+    with torch.no_grad():
+        ref_unet.get_submodule(f"{FF}.net.0.proj").weight += delta
+    torch.testing.assert_close(_forward(slim.model.diffusion_model), _forward(ref_unet), rtol=1e-9, atol=1e-9)
+
+
+def test_interrupt_stops_the_fold_and_changes_nothing(pack, model):
+    patcher, weights = model
+    mm, utils = pack.comfy
+    before = {k: v.clone() for k, v in patcher.model.state_dict().items()}
+    mm.CHECKS.clear()
+    mm.INTERRUPT["after"] = 3
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
+    finally:
+        mm.INTERRUPT["after"] = None
+    assert len(mm.CHECKS) == 4
+    assert all(torch.equal(v, before[k]) for k, v in patcher.model.state_dict().items())
+
+
+def test_refuses_quantised_weights_and_foreign_adapters(pack, model):
+    patcher, weights = model
+    key = f"diffusion_model.{FF}.net.2.weight"
+    quant = patcher.clone()
+    kp = patcher.get_key_patches("diffusion_model.")
+    kp[key] = [(torch.zeros(kp[key][0][0].shape, dtype=torch.uint8), kp[key][0][1])]
+    quant.get_key_patches = lambda prefix=None: kp
+    with pytest.raises(pack.folding.SlimError, match=f"'{key}'.*uint8.*quantised"):
+        pack.folding.slim_patcher(quant, _aset(weights, 0.5))
+    sdxl = adapters.AdapterSet(family="sdxl", sites={}, source="x.safetensors")
+    with pytest.raises(adapters.AdapterError, match=r"x\.safetensors.*sdxl.*sd15"):
+        pack.folding.slim_patcher(patcher, sdxl)
+    other = {k: v for k, v in weights.items()}
+    other[f"{FF}.net.2.weight"] = torch.zeros(64, 64, dtype=torch.float64)      # width 64, model has 128
+    other[f"{FF}.net.0.proj.weight"] = torch.zeros(128, 64, dtype=torch.float64)
+    wrong = adapters.AdapterSet.init_select(other, {FF: 32}, "sd15")
+    with pytest.raises(adapters.AdapterError, match=f"{FF}.*width 64.*128"):
+        pack.folding.slim_patcher(patcher, wrong)
+
+
+# ------------------------------------------------------------------------------------------------ monitor
+
+class LoRAAdapter:          # named like ComfyUI's, which monitor recognises by name
+    def __init__(self, up, down):
+        self.weights = (up, down, None, None, None, None)
+
+
+def test_misfit_patches_are_named_once(pack, model, caplog):
+    patcher, weights = model
+    slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
+    later = slim.clone()
+    full = weights[f"{FF}.net.0.proj.weight"].shape
+    slim_shape = tuple(slim.model.diffusion_model.state_dict()[f"{FF}.net.0.proj.weight"].shape)
+    later.add_patches({
+        f"diffusion_model.{FF}.net.0.proj.weight": LoRAAdapter(torch.zeros(full[0], 4), torch.zeros(4, full[1])),
+        f"diffusion_model.{RES}.in_layers.2.weight": ("diff", (torch.zeros(slim.model.diffusion_model.state_dict()
+                                                                            [f"{RES}.in_layers.2.weight"].shape),)),
+        "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight": ("diff", (torch.zeros(1),))})
+    assert pack.monitor.misfit_patches(later) == {f"diffusion_model.{FF}.net.0.proj.weight": (full[0] * full[1], slim_shape)}
+    with caplog.at_level(logging.WARNING, logger="sdslim"):
+        pack.monitor.warn_misfits(later)
+        pack.monitor.warn_misfits(later)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and f"{FF}.net.0.proj.weight" in msgs[0] and str(list(slim_shape)) in msgs[0]
+    assert pack.monitor.misfit_patches(patcher) == {}
+
+
+def test_outer_sample_wrapper_records_even_when_sampling_fails(pack, model):
+    patcher, _ = model
+    guider = types.SimpleNamespace(model_patcher=patcher)
+
+    class Executor:
+        class_obj = guider
+
+        def __init__(self, fail):
+            self.fail = fail
+
+        def __call__(self, *args, **kwargs):
+            if self.fail:
+                raise RuntimeError("boom")
+            return args[0] + 1
+
+    noise = torch.zeros(2, 4, 8, 8)
+    assert torch.equal(pack.monitor.outer_sample_wrapper(Executor(False), noise), noise + 1)
+    rec = dict(pack.monitor.LAST_SAMPLING)
+    assert rec["device"] == "cpu" and rec["latent_shape"] == [2, 4, 8, 8] and rec["rss_after"] > 0
+    assert not rec["slim"] and "peak_allocated" not in rec
+    with pytest.raises(RuntimeError, match="boom"):
+        pack.monitor.outer_sample_wrapper(Executor(True), noise[:1])
+    assert pack.monitor.LAST_SAMPLING["latent_shape"] == [1, 4, 8, 8]
+    assert "CPU: no VRAM peak" in "\n".join(pack.report.sampling_lines(pack.monitor.LAST_SAMPLING))
+
+
+def test_report_sections(pack, model):
+    patcher, weights = model
+    slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
+    text = pack.report.breakdown_text(slim, "m")
+    full = breakdown.count({k: tuple(v.shape) for k, v in weights.items()})
+    now = breakdown.count({k: tuple(v.shape) for k, v in slim.model.diffusion_model.state_dict().items()})
+    assert now["total"] < full["total"]
+    assert "original vs slim" in text and f"{full['total']:,}" in text and f"{now['total']:,}" in text
+    assert "(original)" in pack.report.breakdown_text(patcher)
+    mm, _ = pack.comfy
+    lines = pack.report.device_lines(mm, torch)
+    assert lines[1].startswith("CPU only") and "RAM total" in lines[2]
+    assert pack.report.loaded_models_lines(mm) == ["loaded models:", "  none"]
+    assert pack.report.fmt_bytes(3 * 2 ** 30) == "3.00 GiB" and pack.report.fmt_bytes(5 * 2 ** 20) == "5.0 MiB"
+    sites = {s.name: s.width for s in layout.sites(weights)}
+    ranks = slim.model.sdslim_info.ranks
+    assert pack.report.slim_ratio(slim) == pytest.approx(sum(r / sites[s] for s, r in ranks.items()) / len(ranks))
+    assert pack.report.slim_ratio(patcher) == 0.0

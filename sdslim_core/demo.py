@@ -75,8 +75,11 @@ def _grid(rows: dict, captions: list, path: Path, scale: int = 4):
 
 
 def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6, sample_steps: int = 20,
-             seed: int = 0) -> dict:
-    """Run the demo; returns the summary dict (also written to ``out_dir``)."""
+             seed: int = 0, train_overrides: dict | None = None) -> dict:
+    """Run the demo; returns the summary dict (also written to ``out_dir``).
+
+    ``train_overrides`` replaces :class:`TrainConfig` fields of the FAST/FULL presets (the test suite uses it).
+    """
     from . import adapters, breakdown, fold, layout, lora, swap, tiny, tiny_data
     from .evaluate import cosine, psnr, rel_error, ssim
     from .sampling import diffusers_fn
@@ -108,7 +111,7 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
     t0 = time.perf_counter()
     batch = tiny_data.make_batch(PROMPTS_SEED, 0, n_images)
     calib_prompts = [tiny_data.make_batch(seed + 1, i, 1).captions[0] for i in range(16)]
-    settings = FAST if fast else FULL
+    settings = {**(FAST if fast else FULL), **(train_overrides or {})}
     tc = TrainConfig(ratio=ratio, guidance=4.0, latent_size=pipe.latent_size, seed=seed, progress_bar=True,
                      work_dir=str(out / "train-work"), log=_log, **settings)
     adapter_path = out / "tiny_adapters.safetensors"

@@ -115,7 +115,7 @@ class AdapterSet:
             for name, v in t.items():
                 if not torch.is_floating_point(v):
                     self._fail(f"{site}.{name}", f"dtype {v.dtype} is not floating point")
-                if not torch.isfinite(v).all():
+                if _has_values(v) and not torch.isfinite(v).all():
                     self._fail(f"{site}.{name}", "contains NaN or Inf")
             if kind == "ff":
                 r, m = t["down_value"].shape if t["down_value"].ndim == 2 else (-1, -1)
@@ -197,6 +197,25 @@ class AdapterSet:
 
     # ------------------------------------------------------------- construction
     @classmethod
+    def shaped_like(cls, cfg: layout.UNetConfig, ratio: float) -> "AdapterSet":
+        """Adapters of the right shapes for every site of ``cfg`` at ``ratio``, keeping the first r units of each
+        site with a unit bottleneck norm: no weights or data needed. For memory, speed and shape work only."""
+        from .unet import canonical_shapes
+        site_list = layout.sites(canonical_shapes(cfg))
+        sites, groups = {}, {}
+        for site, r in ranks_for_ratio(site_list, ratio).items():
+            kind = next(s for s in site_list if s.name == site)
+            sel = torch.eye(kind.width)[:r]
+            if kind.kind == "ff":
+                sites[site] = {"down_value": sel, "down_gate": sel.clone(), "up": sel.t().contiguous()}
+            else:
+                sites[site] = {"down": sel, "norm.weight": torch.ones(r), "norm.bias": torch.zeros(r),
+                               "up": sel.t().contiguous()}
+                if r % DEFAULT_GROUPS:
+                    groups[site] = norm_groups_for(r)
+        return cls(cfg.family, sites, groups)
+
+    @classmethod
     def init_select(cls, weights: Mapping[str, torch.Tensor], ranks: Mapping[str, int], family: str,
                     metadata: dict | None = None) -> "AdapterSet":
         """Data-free initialisation: keep the ``r`` hidden units/channels with the largest weight norms.
@@ -228,6 +247,12 @@ class AdapterSet:
                 if g != DEFAULT_GROUPS:
                     groups[site] = g
         return cls(family, sites, groups, metadata)
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """False for meta and fake tensors (shape-only runs such as the VRAM estimator)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
 
 
 def _selection(score: torch.Tensor, r: int) -> torch.Tensor:

@@ -8,12 +8,10 @@ from . import adapters, breakdown, fold, layout
 
 
 def canonical_shapes_for_arch(arch: str) -> tuple[dict, layout.UNetConfig]:
-    """Canonical key → shape of a published architecture, built on the meta device (no memory, no download)."""
-    from .unet import build_diffusers_unet
+    """Canonical key → shape of a published architecture (meta device: no memory, no download)."""
+    from .unet import canonical_shapes
     cfg = layout.config_for_arch(arch)
-    unet = build_diffusers_unet(cfg, device="meta")
-    canon, _, _ = layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})
-    return canon, cfg
+    return canonical_shapes(cfg), cfg
 
 
 def canonical_shapes_for_file(path) -> tuple[dict, layout.UNetConfig]:

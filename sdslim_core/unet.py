@@ -113,6 +113,12 @@ def build_diffusers_unet(cfg: layout.UNetConfig, device="cpu", dtype=torch.float
     return unet.to(dtype) if str(device) != "meta" else unet
 
 
+def canonical_shapes(cfg: layout.UNetConfig) -> dict:
+    """Canonical key → shape of ``cfg``'s UNet, built on the meta device (no memory, no download)."""
+    unet = build_diffusers_unet(cfg, device="meta")
+    return layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})[0]
+
+
 def load_diffusers_unet(weights, cfg: layout.UNetConfig, dtype=torch.float32, device="cpu",
                         norm_groups: dict | None = None):
     """A diffusers UNet holding canonical ``weights``; slim shapes are allowed (layers are resized to fit,

@@ -1,0 +1,120 @@
+"""Peak-VRAM estimates without a GPU: the public API (torch-free in this process).
+
+The work runs in a subprocess (``python -m sdslim_core.vram.estimate_worker``) because the fake-CUDA
+shim must be loaded before torch, and callers (ComfyUI, A1111) have imported torch long before.
+
+    from sdslim_core.vram.estimate import estimate
+    from sdslim_core.vram.settings import Settings
+    result = estimate(Settings(arch="sd15", resolution=768, lora_rank=16), batch_sizes=(1, 2, 4))
+    print(result.format_text())
+"""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from .fit import CurveFit, classify, fit_curve, kink_note
+from .settings import Settings, select_matrix
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class EstimateResult:
+    """One estimated curve: per-batch peaks, the fit ``max(plateau, intercept + slope·B)``."""
+    name: str
+    settings: Settings
+    points: list  # dicts: batch, peak_gib, phase, breakdown_gib, line_gib, plateau_gib, ...
+    fit: CurveFit
+    device_mode: str  # "shim" | "native-cuda" | "cpu-fallback"
+    warnings: list = field(default_factory=list)
+    baseline: str = ""
+    classification: str = ""
+    seconds: float = 0.0
+    n_params: int = 0
+    n_trainable: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "settings": self.settings.to_dict(), "baseline": self.baseline,
+            "points": [{k: v for k, v in p.items() if k not in ("phase_start_bytes",)} for p in self.points],
+            "intercept_gib": self.fit.intercept_gib, "slope_gib": self.fit.slope_gib,
+            "plateau_gib": self.fit.plateau_gib, "kink_batch": self.fit.kink_batch,
+            "fit_note": kink_note(self.fit) if not self.settings.sampling else "",
+            "classification": self.classification, "device_mode": self.device_mode,
+            "warnings": self.warnings, "seconds": self.seconds,
+            "n_params": self.n_params, "n_trainable": self.n_trainable,
+        }
+
+    def format_text(self) -> str:
+        s = self.settings
+        lines = [f"{self.name}: {s.label()}  (estimate, fake {self.device_mode})"]
+        for p in self.points:
+            top = sorted(p["breakdown_gib"].items(), key=lambda kv: -kv[1])[:4]
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in top)
+            lines.append(f"  B={p['batch']:<3} peak {p['peak_gib']:6.2f} GiB  at {p['phase']:<6} [{parts}]")
+        f = self.fit
+        lines.append(f"  fit: {f.intercept_gib:.2f} + {f.slope_gib:.3f}·B GiB"
+                     + (f", optimizer-step plateau {f.plateau_gib:.2f} GiB" if f.plateau_gib else ""))
+        if not s.sampling:
+            lines.append(f"  {kink_note(f)}")
+        if self.classification:
+            lines.append(f"  vs {self.baseline}: {self.classification}")
+        lines.extend(f"  note: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+
+def run_worker(jobs, *, timeout=None, echo_progress=False, env=None) -> list:
+    """Run ``[(name, Settings, batch_sizes)]`` in one worker process; returns its raw JSON results."""
+    request = {"jobs": [{"name": n, "settings": s.to_dict(), "batch_sizes": list(b)} for n, s, b in jobs]}
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, child_env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "sdslim_core.vram.estimate_worker"], input=json.dumps(request),
+                          stdout=subprocess.PIPE, stderr=None if echo_progress else subprocess.PIPE,
+                          text=True, timeout=timeout, env=child_env)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or len(results) != len(jobs):
+        tail = (proc.stderr or "")[-2000:]
+        raise RuntimeError(f"estimate worker failed (exit {proc.returncode}): {tail}")
+    return results
+
+
+def _result(raw, settings, baseline="") -> EstimateResult:
+    if "error" in raw:
+        raise RuntimeError(f"estimate {raw['name']!r} failed: {raw['error']}")
+    return EstimateResult(name=raw["name"], settings=settings, points=raw["points"], fit=fit_curve(raw["points"]),
+                          device_mode=raw["device_mode"], warnings=raw["warnings"], baseline=baseline,
+                          seconds=raw["seconds"], n_params=raw["n_params"], n_trainable=raw["n_trainable"])
+
+
+def estimate(settings: Settings, batch_sizes=(1, 2, 4, 8), **worker_kw) -> EstimateResult:
+    """Estimated peak VRAM of one training (or sampling) step per batch size."""
+    return _result(run_worker([("estimate", settings, batch_sizes)], **worker_kw)[0], settings)
+
+
+def estimate_many(entries, batch_sizes=(1, 2, 4, 8), **worker_kw) -> list:
+    """``[(name, Settings, baseline_name[, batch_sizes])]`` -> [EstimateResult] from one worker process,
+    each classified against its baseline's fit (when both have two or more batch sizes)."""
+    raws = run_worker([(e[0], e[1], e[3] if len(e) > 3 else batch_sizes) for e in entries], **worker_kw)
+    results = [_result(r, e[1], e[2]) for r, e in zip(raws, entries)]
+    by_name = {r.name: r for r in results}
+    for r in results:
+        base = by_name.get(r.baseline)
+        if base is not None and base is not r and min(len(base.points), len(r.points)) > 1:
+            r.classification = classify(base.fit, r.fit)
+    return results
+
+
+def estimate_matrix(spec="all", batch_sizes=(1, 2, 4, 8), **worker_kw) -> list:
+    """The seed study's matrix (see ``settings.MATRIX``) on fake tensors."""
+    return estimate_many(select_matrix(spec), batch_sizes, **worker_kw)
+
+
+def estimate_sampling(settings: Settings, batch_sizes=(1,), **worker_kw) -> list:
+    """Sampling peak of the original UNet and, when ``settings.slim_ratio`` is set, of the slim one."""
+    from dataclasses import replace
+    jobs = [("original", replace(settings, sampling=True, slim_ratio=0.0), "original")]
+    if settings.slim_ratio:
+        jobs.append((f"slim-{settings.slim_ratio:g}", replace(settings, sampling=True), "original"))
+    return estimate_many(jobs, batch_sizes, **worker_kw)

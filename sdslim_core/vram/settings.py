@@ -1,0 +1,204 @@
+"""Training/sampling settings shared by the estimator and the GPU study (torch-free).
+
+A ``Settings`` is one curve: everything but the batch size. ``MATRIX`` is the seed study's
+one-change-at-a-time matrix (SD1.5, 768 px, AMP bf16, AdamW, text encoder frozen, no VAE).
+"""
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass, field, fields, replace
+
+GIB = 2 ** 30
+
+PRECISIONS = ("fp32", "amp-bf16", "full-bf16")
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw-fused")
+ATTENTIONS = ("sdpa", "xformers")
+LORA_KINDS = ("lora", "locon", "loha", "lora-fa")
+ARCHS = ("sd15", "sd2", "sdxl")
+DEFAULT_BATCH_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16)
+
+# UNet2DConditionModel configs, typed in (nothing is fetched).
+UNET_CONFIGS = {
+    "sd15": dict(
+        sample_size=64, in_channels=4, out_channels=4,
+        block_out_channels=[320, 640, 1280, 1280], layers_per_block=2,
+        cross_attention_dim=768, attention_head_dim=8,
+        down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+        up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    ),
+    "sd2": dict(  # 768-v: OpenCLIP-H context, linear proj_in/out, 64-wide heads
+        sample_size=96, in_channels=4, out_channels=4,
+        block_out_channels=[320, 640, 1280, 1280], layers_per_block=2,
+        cross_attention_dim=1024, attention_head_dim=[5, 10, 20, 20], use_linear_projection=True,
+        down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+        up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+    ),
+    "sdxl": dict(
+        sample_size=128, in_channels=4, out_channels=4,
+        block_out_channels=[320, 640, 1280], layers_per_block=2,
+        transformer_layers_per_block=[1, 2, 10], cross_attention_dim=2048,
+        attention_head_dim=[5, 10, 20], addition_embed_type="text_time",
+        addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+        down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        use_linear_projection=True,
+    ),
+}
+
+# Frozen models kept on the GPU unless offloaded (parameter counts taken from the typed
+# transformers/diffusers configs on the meta device): VAE (same for all three), text encoder(s).
+VAE_PARAMS = 83_653_863
+TE_PARAMS = {"sd15": 123_060_480, "sd2": 340_387_840, "sdxl": 123_060_480 + 694_659_840}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One curve of the study/estimate (the batch size is the x axis)."""
+    arch: str = "sd15"
+    resolution: int = 768
+    precision: str = "amp-bf16"
+    optimizer: str = "adamw"
+    grad_ckpt: bool = False
+    attention: str = "sdpa"
+    lora_rank: int = 0
+    lora_kind: str = "lora"
+    resident_te_vae: bool = False
+    sampling: bool = False
+    slim_ratio: float = 0.0
+    ckpt: str = ""
+    unet_config: dict = field(default=None, hash=False)  # overrides arch (tests, --ckpt)
+    model_factory: str = ""  # "module:function" returning a UNet-like module (sampling of other models)
+
+    def __post_init__(self):
+        checks = ((self.precision, PRECISIONS), (self.optimizer, OPTIMIZERS),
+                  (self.attention, ATTENTIONS), (self.lora_kind, LORA_KINDS))
+        for value, allowed in checks:
+            if value not in allowed:
+                raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+        if self.arch not in ARCHS and self.unet_config is None and not self.ckpt:
+            raise ValueError(f"unknown arch {self.arch!r} (use {', '.join(ARCHS)} or --ckpt)")
+        if self.resolution % 8:
+            raise ValueError(f"resolution {self.resolution} is not a multiple of 8")
+        if not 0.0 <= self.slim_ratio < 1.0:
+            raise ValueError("--slim-ratio must be in [0, 1)")
+
+    @property
+    def latent_size(self) -> int:
+        return self.resolution // 8
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Settings":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def label(self) -> str:
+        """Short human label, e.g. 'sd15 768px amp-bf16 adamw LoRA r16'."""
+        parts = [f"{self.arch} (ckpt)" if self.ckpt else self.arch, f"{self.resolution}px", self.precision, self.optimizer]
+        if self.grad_ckpt:
+            parts.append("grad-ckpt")
+        if self.attention != "sdpa":
+            parts.append(self.attention)
+        if self.lora_rank:
+            parts.append(f"{self.lora_kind} r{self.lora_rank}")
+        if self.resident_te_vae:
+            parts.append("TE+VAE resident")
+        if self.slim_ratio:
+            parts.append(f"slim {self.slim_ratio:g}")
+        if self.sampling:
+            parts.append("sampling")
+        return " ".join(parts)
+
+
+_FT = Settings()
+_LORA = replace(_FT, lora_rank=16)
+
+# name -> (settings, group, baseline name used for the classification)
+MATRIX = {
+    "base": (_FT, "finetune", "base"),
+    "xformers": (replace(_FT, attention="xformers"), "finetune", "base"),
+    "resident_te_vae": (replace(_FT, resident_te_vae=True), "finetune", "base"),
+    "adamw8bit": (replace(_FT, optimizer="adamw8bit"), "finetune", "base"),
+    "adamw_fused": (replace(_FT, optimizer="adamw-fused"), "finetune", "base"),
+    "fp32": (replace(_FT, precision="fp32"), "finetune", "base"),
+    "full_bf16": (replace(_FT, precision="full-bf16"), "finetune", "base"),
+    "grad_ckpt": (replace(_FT, grad_ckpt=True), "finetune", "base"),
+    "res512": (replace(_FT, resolution=512), "finetune", "base"),
+    "res1024": (replace(_FT, resolution=1024), "finetune", "base"),
+    "lora16": (_LORA, "lora", "base"),
+    "lora16_fa": (replace(_LORA, lora_kind="lora-fa"), "lora", "lora16"),
+    "lora16_gc": (replace(_LORA, grad_ckpt=True), "lora", "lora16"),
+    "locon16": (replace(_LORA, lora_kind="locon"), "lora", "lora16"),
+    "loha16": (replace(_LORA, lora_kind="loha"), "lora", "lora16"),
+    "lora64": (replace(_LORA, lora_rank=64), "lora", "lora16"),
+    "lora128": (replace(_LORA, lora_rank=128), "lora", "lora16"),
+    "lora16_adamw8bit": (replace(_LORA, optimizer="adamw8bit"), "lora", "lora16"),
+    "lora16_fp32": (replace(_LORA, precision="fp32"), "lora", "lora16"),
+}
+# the GPU check's small matrix: one curve per kind of effect
+SMALL_MATRIX = ("base", "adamw8bit", "grad_ckpt", "full_bf16", "lora16")
+
+
+def select_matrix(spec: str) -> list:
+    """'all' | 'finetune' | 'lora' | 'small' | comma-separated names -> [(name, settings, baseline)]."""
+    if spec == "all":
+        names = list(MATRIX)
+    elif spec in ("finetune", "lora"):
+        names = [n for n, (_, group, _) in MATRIX.items() if group == spec]
+    elif spec == "small":
+        names = list(SMALL_MATRIX)
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MATRIX]
+    if unknown:
+        raise ValueError(f"unknown matrix entries {unknown}; known: {', '.join(MATRIX)}")
+    return [(n, MATRIX[n][0], MATRIX[n][2]) for n in names]
+
+
+def parse_batch_sizes(text: str) -> tuple:
+    """'1,2,4' -> (1, 2, 4), sorted and unique; raises ValueError on nonsense."""
+    try:
+        sizes = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes must be positive integers, got {text!r}")
+    return tuple(sizes)
+
+
+def read_safetensors_shapes(path: str) -> dict:
+    """{key: shape} from a .safetensors header, without loading any tensor (and without torch)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > min(os.path.getsize(path) - 8, 100 * 2 ** 20):
+                raise ValueError(f"header size {size} does not fit the file")
+            header = json.loads(f.read(size))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a .safetensors file ({err})") from None
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def settings_from_ckpt(path: str, **overrides) -> Settings:
+    """Settings whose UNet has the shapes of the checkpoint at ``path`` (read via ``sdslim_core.layout``)."""
+    try:
+        from sdslim_core import layout
+    except ImportError as err:
+        raise ValueError(f"--ckpt needs sdslim_core.layout ({err})") from None
+    cfg = layout.config_from_state_dict(layout.to_canonical(read_safetensors_shapes(path))[0])
+    arch = cfg.family if cfg.family in ARCHS else overrides.get("arch", "sd15")
+    return Settings(**{**overrides, "arch": arch, "ckpt": path, "unet_config": dict(layout.diffusers_config(cfg))})
+
+
+def with_overrides(entries, arch=None, resolution=None):
+    """Apply --arch to every matrix entry and --resolution to those at the default resolution."""
+    out = []
+    for name, s, baseline in entries:
+        if arch:
+            s = replace(s, arch=arch)
+        if resolution and s.resolution == Settings.resolution:
+            s = replace(s, resolution=resolution)
+        out.append((name, s, baseline))
+    return out

@@ -46,8 +46,8 @@ def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
     new_w2 = torch.einsum("ocij,cr->orij", w_2.to(dt), u)
     out = w_1.dtype
 
-    def cast(t):
-        return None if t is None else t.to(out)
+    def cast(t):   # contiguous: einsum may return permuted strides, which send conv2d down another kernel path
+        return None if t is None else t.to(out).contiguous()
     return (cast(new_w1), cast(new_b1), cast(new_we), cast(new_be), cast(new_w2),
             None if b_2 is None else b_2.clone())
 

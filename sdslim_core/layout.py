@@ -139,8 +139,8 @@ def config_from_state_dict(weights: Mapping, metadata: Mapping | None = None) ->
             level_depth.append(depth)
             res_count, depth = 0, 0
             continue
-        w = shapes.get(f"input_blocks.{i}.0.in_layers.2.weight")
-        if w is None:
+        w = shapes.get(f"input_blocks.{i}.0.out_layers.3.weight")   # conv2: the block's output width,
+        if w is None:                                                 # also in slim files
             raise LayoutError(f"input_blocks.{i} is neither a ResBlock nor a Downsample: unknown UNet structure")
         res_out = w[0]
         res_count += 1

@@ -1,0 +1,54 @@
+"""`sdslim slim`: LoRAs merged into the full weights, adapters folded, a slim checkpoint written."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .lora import parse_lora_arg
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+
+    def show(i, n, site):
+        print(f"\rfolding {i}/{n} {site:<60}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+    return show
+
+
+def run(args) -> int:
+    from .slim import slim_checkpoint
+    loras = [parse_lora_arg(x) for x in args.lora]
+    result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
+                             progress=_progress(not args.json and sys.stderr.isatty()))
+    info = result.to_dict()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    rep = result.merge
+    if loras:
+        print(rep.summary(), file=sys.stderr)
+    else:
+        for w in result.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+    print(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
+          f"{result.unet_params_after / 1e6:.1f}M parameters ({info['ratio']:.2f}x); wrote {result.out} "
+          f"({result.file_bytes / 2 ** 20:.1f} MiB) in {result.seconds:.1f} s", file=sys.stderr)
+    return 0
+
+
+def register(sub):
+    p = sub.add_parser("slim", help="merge LoRAs, fold adapters and write a slim checkpoint",
+                       description="Merge LoRAs into the full UNet weights, fold the sdslim adapters and write a "
+                                   "slim .safetensors checkpoint (same key names, slim shapes; text encoder and VAE "
+                                   "copied through). The input is never modified.")
+    p.add_argument("--ckpt", required=True, help="LDM/ComfyUI single-file .safetensors or a diffusers UNet folder")
+    p.add_argument("--adapters", required=True, help="sdslim adapter file (.safetensors)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="LoRA/LyCORIS/peft file merged before folding (repeatable; strength default 1.0)")
+    p.add_argument("--out", required=True, help="output .safetensors (must differ from --ckpt)")
+    p.add_argument("--select", type=float, default=1.0,
+                   help="fraction of adapter sites to fold, lowest recorded error first (default 1.0: all)")
+    p.add_argument("--device", default="cpu", help="device for the fold arithmetic (e.g. cuda); default cpu")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=run)

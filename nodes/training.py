@@ -53,6 +53,6 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
 
     weights, cfg = teacher(model)
     ranks = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
-    result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume=True, steps=steps,
+    result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", steps=steps,
                             seed=seed, device=str(model.load_device), **ranks)
     return f"adapters written to {out}\n\n{result.report}"

@@ -1,0 +1,205 @@
+"""``sdslim train``: parser and handler (heavy imports inside the handler).
+
+    sdslim train --ckpt PATH --out ADAPTERS [--ratio 0.5 | --ff-rank N --res-ratio R | --budget X]
+                 [--steps N] [--stage1-steps N --stage2-steps N] [--prompts FILE | --prompt TEXT ...]
+                 [--embeddings FILE] [--latents DIR] [--images DIR] [--device D] [--resume] [--work-dir DIR]
+                 [--json]
+
+Multi-GPU: ``accelerate launch --multi_gpu --num_processes N -m sdslim_core.cli train ...`` (stage 1 shards the
+sites over the processes, stage 2 is data-parallel).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers):
+    p = subparsers.add_parser("train", help="distil slim adapters from a checkpoint (calibration from the teacher "
+                                            "itself, block-local stage, Theseus stage)")
+    p.add_argument("--ckpt", required=True, help="teacher checkpoint (.safetensors single file or diffusers folder)")
+    p.add_argument("--out", required=True, help="adapter file to write (.safetensors)")
+    r = p.add_argument_group("ranks (default: --ratio 0.5)")
+    r.add_argument("--ratio", type=float, help="uniform width fraction of every site, e.g. 0.5")
+    r.add_argument("--ff-rank", type=int, help="rank of every FF site (capped at its width)")
+    r.add_argument("--ff-ratio", type=float, help="width fraction of FF sites")
+    r.add_argument("--res-ratio", type=float, help="width fraction of ResBlock sites")
+    r.add_argument("--budget", help="target slim UNet size: parameters (600M) or weight bytes (1.2GB, fp16); ranks "
+                                    "are allocated per site from measured error-vs-rank curves")
+    s = p.add_argument_group("steps")
+    s.add_argument("--steps", type=int, help="sets both --stage1-steps (per site) and --stage2-steps")
+    s.add_argument("--stage1-steps", type=int, help="block-local steps per site (default 400)")
+    s.add_argument("--stage2-steps", type=int, help="full-UNet Theseus steps (default 1000)")
+    s.add_argument("--lr1", type=float, help="stage-1 learning rate (default 1e-3)")
+    s.add_argument("--lr2", type=float, help="stage-2 learning rate (default 1e-4)")
+    s.add_argument("--batch", type=int, help="stage-2 UNet inputs per step and process (default 1)")
+    s.add_argument("--feature-loss", type=float, help="weight of the normalised per-site feature loss in stage 2")
+    c = p.add_argument_group("calibration data (default: the unconditional zero context)")
+    c.add_argument("--prompts", help="text file, one prompt per line (needs a text encoder sdslim can run offline)")
+    c.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    c.add_argument("--embeddings", help="safetensors with 'context' [K,tokens,dim] (+ optional 'uncond', 'pooled')")
+    c.add_argument("--latents", help="folder of safetensors latents, noised at random timesteps")
+    c.add_argument("--images", help="folder of images, encoded by the checkpoint's VAE (tiny checkpoints)")
+    c.add_argument("--trajectories", type=int, help="teacher sampling runs (default 16)")
+    c.add_argument("--sample-steps", type=int, help="sampler steps per trajectory (default 20)")
+    c.add_argument("--guidance", type=float, help="CFG scale of the calibration trajectories (default 7.5)")
+    c.add_argument("--latent-size", type=int, help="latent height=width (default from the model)")
+    c.add_argument("--ram-budget", type=float, help="GB of captured activations kept in RAM before flushing to "
+                                                    "disk shards (default 2)")
+    c.add_argument("--res-maps", type=int, help="ResBlock feature maps captured per site (default 96)")
+    c.add_argument("--ff-tokens", type=int, help="FeedForward tokens captured per site (default 32768)")
+    c.add_argument("--calib-dtype", choices=("auto", "float32", "float16"),
+                   help="storage dtype of captured activations (default: float16 on CUDA, else float32)")
+    c.add_argument("--init-methods", help="comma-separated initialisations to measure per site (default "
+                                          "act_select,act_pca,weight_svd,select; 'random' adds the baseline)")
+    o = p.add_argument_group("run")
+    o.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (default: cuda when available)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--resume", action="store_true", help="continue the run in the work dir where it stopped")
+    o.add_argument("--work-dir", help="calibration data and checkpoints (default: <out>.work)")
+    o.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default 200)")
+    o.add_argument("--optimizer", choices=("auto", "adamw", "adamw8bit"), default="auto")
+    o.add_argument("--stage2-groups", default=None, help="train stage 2 in N site groups one after another (less "
+                                                          "VRAM); default auto (from the GPU's memory)")
+    o.add_argument("--no-vram-estimate", action="store_true", help="skip the VRAM prediction before training")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    p.set_defaults(func=cmd_train)
+
+
+def _prompts(args) -> list[str]:
+    out = list(args.prompt or [])
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such prompts file")
+        out += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return out
+
+
+def _tiny_pipeline(ckpt):
+    """The tiny sdslim pipeline (text encoder, VAE, schedule) when the checkpoint is one, else None."""
+    from .. import tiny
+    if tiny.META["text"] not in ckpt.metadata:
+        return None
+    return tiny.load_tiny_pipeline(ckpt.path)
+
+
+def _read_images(folder, size: int):
+    import torch
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError("--images needs Pillow (pip install pillow)") from None
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .png/.jpg/.webp images")
+    out = []
+    for f in files:
+        img = Image.open(f).convert("RGB").resize((size, size), Image.BICUBIC)
+        out.append(torch.tensor(list(img.getdata()), dtype=torch.float32).view(size, size, 3).permute(2, 0, 1) / 255)
+    return torch.stack(out)
+
+
+def build_calibration(args, ckpt, pipe):
+    from .. import sampling
+    from .calibration import Calibration
+    schedule = pipe.schedule if pipe is not None else sampling.Schedule()
+    prompts = _prompts(args)
+    base = None
+    if prompts:
+        if pipe is None:
+            raise ValueError("--prompt/--prompts need a text encoder sdslim can run offline; this checkpoint has "
+                             "none it can use (only the tiny sdslim models ship one). Pass --embeddings FILE (a "
+                             "safetensors with 'context' [K,77,dim] from your UI or diffusers), or nothing for the "
+                             "unconditional context")
+        base = Calibration.from_prompts(prompts, pipe.encode_prompt, schedule=schedule)
+    if args.embeddings:
+        emb = Calibration.from_embeddings_file(args.embeddings, schedule=schedule)
+        if base is not None:
+            import torch
+            if emb.contexts.shape[1:] != base.contexts.shape[1:]:
+                raise ValueError(f"--embeddings contexts {tuple(emb.contexts.shape[1:])} and prompt contexts "
+                                 f"{tuple(base.contexts.shape[1:])} differ in shape: use one of them")
+            base.contexts = torch.cat([base.contexts, emb.contexts])
+            base.description = dict(base.description, embeddings=Path(args.embeddings).name,
+                                    n_contexts=int(base.contexts.shape[0]))
+        else:
+            base = emb
+    if base is None:
+        base = Calibration.unconditional(schedule=schedule)
+    if args.latents and args.images:
+        raise ValueError("give --latents or --images, not both")
+    if args.latents:
+        return Calibration.from_latents_dir(args.latents, base)
+    if args.images:
+        if pipe is None:
+            raise ValueError("--images needs the checkpoint's VAE, which sdslim can only run for the tiny sdslim "
+                             "models; encode your images to latents with your UI and pass --latents DIR")
+        latents = pipe.encode(_read_images(args.images, pipe.image_size))
+        import dataclasses
+        return dataclasses.replace(base, latents=latents,
+                                   description=dict(base.description, images=Path(args.images).name,
+                                                    n_latents=int(latents.shape[0])))
+    return base
+
+
+def config_from_args(args, pipe=None, log=None):
+    from .config import TrainConfig
+    kw = {}
+    for name, attr in (("ratio", "ratio"), ("ff_rank", "ff_rank"), ("ff_ratio", "ff_ratio"),
+                       ("res_ratio", "res_ratio"), ("budget", "budget"), ("stage1_steps", "stage1_steps"),
+                       ("stage2_steps", "stage2_steps"), ("lr1", "lr1"), ("lr2", "lr2"),
+                       ("stage2_batch", "batch"), ("feature_loss", "feature_loss"),
+                       ("n_trajectories", "trajectories"), ("sample_steps", "sample_steps"),
+                       ("guidance", "guidance"), ("latent_size", "latent_size"), ("ram_budget_gb", "ram_budget"),
+                       ("checkpoint_every", "checkpoint_every"), ("res_maps", "res_maps"),
+                       ("ff_tokens", "ff_tokens"), ("calib_dtype", "calib_dtype")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            kw[name] = v
+    if getattr(args, "init_methods", None):
+        kw["init_methods"] = tuple(m.strip() for m in args.init_methods.split(",") if m.strip())
+    if args.steps is not None:
+        kw.setdefault("stage1_steps", args.steps)
+        kw.setdefault("stage2_steps", args.steps)
+    if "latent_size" not in kw and pipe is not None:
+        kw["latent_size"] = pipe.latent_size
+    if getattr(args, "stage2_groups", None):
+        kw["stage2_groups"] = "auto" if args.stage2_groups == "auto" else int(args.stage2_groups)
+    return TrainConfig(device=args.device, seed=args.seed, work_dir=args.work_dir, optimizer=args.optimizer,
+                       progress_bar=not args.no_progress, vram_estimate=not args.no_vram_estimate,
+                       log=log, **kw)
+
+
+def cmd_train(args) -> int:
+    from ..unet import open_checkpoint
+    from .checkpoint import CheckpointError
+    from .run import train_adapters
+
+    def log(msg):
+        from tqdm.auto import tqdm
+        tqdm.write(msg, file=sys.stderr)
+    ckpt = open_checkpoint(args.ckpt)
+    pipe = _tiny_pipeline(ckpt)
+    tc = config_from_args(args, pipe, log)
+    calib = build_calibration(args, ckpt, pipe)
+    try:
+        result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
+    except CheckpointError as err:
+        print(f"sdslim train: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        work = tc.work_dir or f"{args.out}.work"
+        print(f"sdslim train: interrupted; progress is kept in {work}: run the same command with --resume to "
+              "continue", file=sys.stderr)
+        raise
+    import os
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if args.json:
+        print(json.dumps(result.report.to_dict()))
+    else:
+        print(result.report.text())
+    return 0

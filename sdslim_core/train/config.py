@@ -1,0 +1,162 @@
+"""Training configuration (:class:`TrainConfig`) and parsing of ``--budget`` values."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+# Only these fields change what a run computes; a --resume refuses a work dir made with other values.
+_RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "budget_bytes_per_param", "stage1_steps",
+               "stage2_steps", "ff_batch_tokens", "res_batch", "stage2_batch", "lr1", "lr2", "p0", "p_full_at",
+               "feature_loss", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance", "sampler", "latent_size",
+               "n_noised", "ff_inputs", "tokens_per_sample", "ff_tokens", "res_maps", "eval_fraction", "init_methods",
+               "rank_grid", "seed", "calib_dtype", "teacher_dtype", "optimizer", "amp", "grad_ckpt")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a training run needs besides the teacher, the calibration source and the output path.
+
+    Step counts: ``stage1_steps`` is *per site* (sites are trained one after another, independently),
+    ``stage2_steps`` counts full-UNet optimizer steps. ``steps`` (CLI ``--steps``) sets both.
+    """
+    # ---- ranks (one of: ratio / per-kind overrides / budget) ----
+    ratio: float | None = None             # uniform width fraction; 0.5 when nothing else is given
+    ff_ratio: float | None = None
+    ff_rank: int | None = None
+    res_ratio: float | None = None
+    budget: str | float | None = None      # "600M" (UNet params) or "1.2GB" (weight bytes)
+    budget_bytes_per_param: int = 2        # fp16 weights, for a byte budget
+    rank_grid: tuple = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
+    # ---- calibration ----
+    n_trajectories: int = 16               # teacher sampling runs (noise seeds × conditionings)
+    sample_steps: int = 20                 # sampler steps per trajectory (each one UNet input, ×2 with CFG)
+    guidance: float = 7.5                  # CFG scale of the calibration trajectories (1 = no CFG)
+    sampler: str = "ddim"
+    latent_size: int | None = None         # latent H=W; default from the model (64 SD1.5, 96 SD2, 128 SDXL)
+    n_noised: int = 256                    # UNet inputs made from user latents (--latents)
+    ff_inputs: int = 256                   # UNet inputs whose FF-site tokens are captured
+    tokens_per_sample: int = 128           # FF-site tokens kept per captured input (at most)
+    ff_tokens: int = 32768                 # FF-site tokens kept per site (fit + eval), at most
+    res_maps: int = 96                     # Res-site feature maps kept per site (fit + eval)
+    eval_fraction: float = 0.2             # held-out share of the calibration inputs (errors are measured there)
+    calib_dtype: str = "auto"              # storage dtype of captured activations: auto|float32|float16
+    ram_budget_gb: float = 2.0             # captured activations are flushed to disk shards beyond this
+    # ---- initialisation ----
+    init_methods: tuple = ("act_select", "act_pca", "weight_svd", "select")
+    # ---- stage 1 (block-local) ----
+    stage1_steps: int = 400
+    ff_batch_tokens: int = 1024
+    res_batch: int = 4
+    lr1: float = 1e-3
+    # ---- stage 2 (Theseus) ----
+    stage2_steps: int = 1000
+    stage2_batch: int = 1                  # UNet inputs per step (per process)
+    lr2: float = 1e-4
+    p0: float = 0.3                        # replacement probability at step 0 ...
+    p_full_at: float = 0.7                 # ... reaching 1 at this fraction of stage 2
+    feature_loss: float = 0.0              # weight of the normalised per-site feature loss (0 = output loss only)
+    stage2_groups: int | str = "auto"      # sites trained in this many groups, one after another (VRAM); auto:
+                                           # 1 unless the adapters + optimizer of all sites would not fit the GPU
+    grad_clip: float = 1.0
+    # ---- run ----
+    seed: int = 0
+    device: str = "auto"                   # auto = cuda when available, else cpu
+    teacher_dtype: str = "auto"            # auto = float16 on CUDA, float32 otherwise
+    amp: str = "auto"                      # auto = bf16 autocast on CUDA (when supported), off on CPU
+    optimizer: str = "auto"                # auto = 8-bit AdamW with bitsandbytes on CUDA, else AdamW
+    grad_ckpt: str | bool = "auto"         # gradient checkpointing in stage 2 (auto = on CUDA)
+    checkpoint_every: int = 200            # optimizer steps between checkpoints (both stages)
+    keep_checkpoints: int = 2
+    work_dir: str | None = None            # default: <out>.work next to the output file
+    progress_bar: bool = False             # tqdm bars on stderr (the CLI turns them on)
+    vram_estimate: bool = False            # run the VRAM estimator before training (the CLI turns it on)
+    log: object = None                     # callable(str) for human messages (default: silent)
+
+    def __post_init__(self):
+        if self.ratio is None and self.ff_ratio is None and self.ff_rank is None and self.res_ratio is None \
+                and self.budget is None:
+            self.ratio = 0.5
+        if self.budget is not None and any(v is not None for v in (self.ratio, self.ff_ratio, self.ff_rank,
+                                                                   self.res_ratio)):
+            raise ValueError("--budget allocates ranks itself: give it without --ratio/--ff-rank/--ff-ratio/"
+                             "--res-ratio")
+        if self.ff_rank is not None and self.ff_ratio is not None:
+            raise ValueError("give --ff-rank or --ff-ratio, not both")
+        for name in ("ratio", "ff_ratio", "res_ratio"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.ff_rank is not None and self.ff_rank < 1:
+            raise ValueError(f"ff_rank must be ≥ 1, got {self.ff_rank}")
+        if self.budget is not None:
+            parse_budget(self.budget, self.budget_bytes_per_param)
+        if self.stage1_steps < 0 or self.stage2_steps < 0:
+            raise ValueError("step counts must be ≥ 0")
+        if not 0 <= self.p0 <= 1 or not 0 < self.p_full_at <= 1:
+            raise ValueError("p0 must be in [0, 1] and p_full_at in (0, 1]")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError("eval_fraction must be in (0, 1)")
+        if self.sampler not in ("ddim", "euler"):
+            raise ValueError(f"sampler must be ddim or euler, got {self.sampler!r}")
+        if self.optimizer not in ("auto", "adamw", "adamw8bit"):
+            raise ValueError(f"optimizer must be auto, adamw or adamw8bit, got {self.optimizer!r}")
+        unknown = set(self.init_methods) - set(INIT_METHODS)
+        if unknown or not self.init_methods:
+            raise ValueError(f"init_methods must be a non-empty subset of {INIT_METHODS}, got {self.init_methods}")
+        self.init_methods = tuple(self.init_methods)
+        self.rank_grid = tuple(self.rank_grid)
+        if self.stage2_groups != "auto" and (not isinstance(self.stage2_groups, int) or self.stage2_groups < 1):
+            raise ValueError(f"stage2_groups must be 'auto' or a positive integer, got {self.stage2_groups!r}")
+        if self.checkpoint_every < 1:
+            raise ValueError("checkpoint_every must be ≥ 1")
+
+    def with_steps(self, steps: int) -> "TrainConfig":
+        return dataclasses.replace(self, stage1_steps=steps, stage2_steps=steps)
+
+    def run_fields(self) -> dict:
+        """The fields that determine the result (for the work dir's run fingerprint and the metadata)."""
+        out = {}
+        for name in _RUN_FIELDS:
+            v = getattr(self, name)
+            out[name] = list(v) if isinstance(v, tuple) else v
+        return json.loads(json.dumps(out))
+
+    def say(self, text: str):
+        if callable(self.log):
+            self.log(text)
+
+
+INIT_METHODS = ("act_select", "act_pca", "weight_svd", "select", "random")
+
+_PARAM_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}
+_BYTE_SUFFIX = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,
+                "TIB": 2 ** 40}
+
+
+def parse_budget(value, bytes_per_param: int = 2) -> tuple[str, float, int]:
+    """``"600M"`` → ("params", 6e8, 600000000); ``"1.2GB"`` → ("bytes", 1.2e9, params at ``bytes_per_param``).
+
+    Returns (kind, the value as given, the UNet parameter budget). Plain numbers are parameter counts.
+    """
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"budget must be positive, got {value}")
+        return "params", float(value), int(value)
+    text = str(value).strip().replace("_", "").replace(",", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)", text)
+    if not m:
+        raise ValueError(f"cannot read budget {value!r}: use e.g. 600M (UNet parameters) or 1.2GB (weight bytes)")
+    number, suffix = float(m.group(1)), m.group(2).upper()
+    if number <= 0:
+        raise ValueError(f"budget must be positive, got {value!r}")
+    if suffix in _PARAM_SUFFIX:
+        return "params", number * _PARAM_SUFFIX[suffix], int(number * _PARAM_SUFFIX[suffix])
+    if suffix in _BYTE_SUFFIX:
+        n_bytes = number * _BYTE_SUFFIX[suffix]
+        return "bytes", n_bytes, int(n_bytes // bytes_per_param)
+    if suffix == "B":
+        raise ValueError(f"budget {value!r} is ambiguous: write {m.group(1)}G for parameters or "
+                         f"{m.group(1)}GB for weight bytes")
+    raise ValueError(f"unknown budget unit {m.group(2)!r} in {value!r}: use K/M/G (parameters) or "
+                     "KB/MB/GB/GiB (weight bytes)")

@@ -1,0 +1,287 @@
+"""Initialisation of the adapters from captured teacher activations, measured against data-free baselines.
+
+Methods (rank r, width m/c; each one gives the site's adapter tensors):
+
+- ``act_select``: activation-aware unit/channel selection. Importance of hidden unit j = ‖column j of the
+  following weight (W_o, or conv2 over its input channel)‖ · rms of that unit's activation; the r most
+  important are selected (A_v = A_g = D = selection) and U is the least-squares map from the selected
+  bottleneck activations to the full hidden activations (so W_o·U·h_S is the best linear prediction of the
+  teacher's output from h_S). Res: GroupNorm' keeps the selected channels' γ/β.
+- ``act_pca``: PCA of the hidden activations (FF: h = v ⊙ gelu(g); Res: the pre-norm2 activations);
+  A_v = A_g = D = top-r principal directions, U by least squares as above (GroupNorm' γ = 1, β = 0).
+- ``weight_svd``: plain SVD of the following weight (W_o, or conv2 as c × (c_out·9)): the weak baseline.
+- ``select``: :meth:`AdapterSet.init_select` (data-free, largest weight norms).
+- ``random``: Gaussian matrices (only to show what initialisation buys; never picked unless it is best).
+
+Every method's relative error is measured on the held-out split and the best is kept per site.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import adapters, layout
+from .sites import SiteData, build_student, make_site_adapter
+
+_RIDGE = 1e-6
+
+
+def _ls(cross: torch.Tensor, gram: torch.Tensor, n: int, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """Least squares U = argmin ‖U z − a‖² + λ‖U − prior‖² from moments (cross = Σ a zᵀ [m, r], gram = Σ z zᵀ
+    [r, r], n samples), in their dtype. λ grows with r/n, so few samples shrink U toward the prior (the data-free
+    choice, e.g. the selection's own transpose) instead of overfitting."""
+    r = gram.shape[0]
+    scale = float(gram.diagonal().mean().clamp_min(1e-12))
+    lam = scale * (_RIDGE + r / max(n, 1))
+    rhs = cross + (lam * prior if prior is not None else 0.0)
+    return torch.linalg.solve((gram + lam * torch.eye(r, dtype=gram.dtype, device=gram.device)).T, rhs.T).T
+
+
+def linalg_place(device) -> tuple[torch.device, torch.dtype]:
+    """Where the initialisation's linear algebra runs: float64 on the CPU, float32 on an accelerator (covariances
+    of 5120-wide SDXL FeedForwards and their eigendecompositions take minutes in float64 on a CPU)."""
+    device = torch.device(device)
+    return (device, torch.float64) if device.type == "cpu" else (device, torch.float32)
+
+
+def _selection(idx: torch.Tensor, m: int, like: torch.Tensor) -> torch.Tensor:
+    sel = torch.zeros(idx.numel(), m, dtype=like.dtype, device=like.device)
+    sel[torch.arange(idx.numel(), device=like.device), idx.to(like.device)] = 1.0
+    return sel
+
+
+def _top(score: torch.Tensor, r: int) -> torch.Tensor:
+    return torch.sort(torch.topk(score, r).indices).values
+
+
+class FFStats:
+    """Fit-split statistics of one FF site: value/gate pre-activations and the hidden activations h."""
+
+    def __init__(self, site_mod: nn.Module, data: SiteData, device, dtype, amp, max_tokens: int = 16384):
+        proj = site_mod.get_submodule(layout.FF_LAYERS["proj"])
+        self.ladev, self.ladt = linalg_place(device)
+        self.w_o = site_mod.get_submodule(layout.FF_LAYERS["out"]).weight.detach().to(self.ladev, self.ladt)
+        self.m = self.w_o.shape[1]
+        vs, gs = [], []
+        with torch.no_grad():
+            for i in range(0, min(data.n_fit(), max_tokens), 4096):
+                x = data.fit_x[i:min(i + 4096, max_tokens)].to(device, dtype)
+                with amp():
+                    vg = proj(x).float()
+                v, g = vg.chunk(2, dim=-1)
+                vs.append(v.cpu())
+                gs.append(g.cpu())
+        self.v, self.g = torch.cat(vs), torch.cat(gs)
+        self.n = self.v.shape[0]
+        self.cov = torch.zeros(self.m, self.m, dtype=self.ladt, device=self.ladev)
+        for h in self._hidden():
+            self.cov += h.T @ h
+        self.cov /= self.n
+
+    def _vg(self, i: int, chunk: int = 4096):
+        return (self.v[i:i + chunk].to(self.ladev, self.ladt), self.g[i:i + chunk].to(self.ladev, self.ladt))
+
+    def _hidden(self, chunk: int = 4096):
+        for i in range(0, self.n, chunk):
+            v, g = self._vg(i, chunk)
+            yield v * F.gelu(g)
+
+    def act_select(self, r: int) -> dict:
+        score = self.w_o.norm(dim=0) * self.cov.diagonal().clamp_min(0).sqrt()
+        idx = _top(score, r)
+        sel = _selection(idx, self.m, self.cov)
+        up = _ls(self.cov[:, idx] * self.n, self.cov[idx][:, idx] * self.n, self.n, prior=sel.T)
+        return {"down_value": sel, "down_gate": sel.clone(), "up": up}
+
+    def act_pca(self, r: int) -> dict:
+        _, evecs = torch.linalg.eigh(self.cov)
+        p = evecs[:, -r:].flip(1)                              # m × r, largest first
+        r_ = p.shape[1]
+        gram = torch.zeros(r_, r_, dtype=self.ladt, device=self.ladev)
+        cross = torch.zeros(self.m, r_, dtype=self.ladt, device=self.ladev)
+        for i, h in zip(range(0, self.n, 4096), self._hidden()):
+            v, g = self._vg(i)
+            z = (v @ p) * F.gelu(g @ p)
+            gram += z.T @ z
+            cross += h.T @ z
+        up = _ls(cross, gram, self.n, prior=p)
+        return {"down_value": p.T.contiguous(), "down_gate": p.T.contiguous(), "up": up}
+
+    def weight_svd(self, r: int) -> dict:
+        _, _, vh = torch.linalg.svd(self.w_o, full_matrices=True)
+        v = vh[:r].contiguous()                                # r × m
+        return {"down_value": v, "down_gate": v.clone(), "up": v.T.contiguous()}
+
+
+class ResStats:
+    """Fit-split statistics of one Res site: pre-norm2 activations h1 and conv2 inputs a (per pixel)."""
+
+    def __init__(self, site_mod: nn.Module, naming: str, data: SiteData, device, dtype, amp):
+        names = layout.RES_LAYERS[naming]
+        self.site_mod, self.data = site_mod, data
+        self.device, self.dtype, self.amp = device, dtype, amp
+        self.norm2 = site_mod.get_submodule(names["norm2"])
+        self.conv2 = site_mod.get_submodule(names["conv2"])
+        self.c = self.conv2.weight.shape[1]
+        self.ladev, self.ladt = linalg_place(device)
+        la = dict(device=self.ladev, dtype=self.ladt)
+        w2 = self.conv2.weight.detach().to(**la)
+        self.w2_cols = w2.transpose(0, 1).flatten(1)           # c × (c_out·k·k)
+        self.gamma = self.norm2.weight.detach().to(**la)
+        self.beta = self.norm2.bias.detach().to(**la)
+        self.eps = self.norm2.eps
+        c = self.c
+        self.cov_a = torch.zeros(c, c, **la)
+        self.cov_h = torch.zeros(c, c, **la)
+        self.mean_h = torch.zeros(c, **la)
+        n = 0
+        for h1, a in self._passes():
+            self.cov_a += a.T @ a
+            self.cov_h += h1.T @ h1
+            self.mean_h += h1.sum(0)
+            n += a.shape[0]
+        self.n = n
+        self.cov_a /= n
+        self.mean_h /= n
+        self.cov_h = self.cov_h / n - torch.outer(self.mean_h, self.mean_h)
+
+    def _passes(self):
+        """(h1, a) per fit batch as [pixels, c] (linear-algebra device/dtype), captured with hooks on norm2 and
+        conv2."""
+        got = {}
+        hooks = [self.norm2.register_forward_pre_hook(lambda m, a: got.__setitem__("h1", a[0])),
+                 self.conv2.register_forward_pre_hook(lambda m, a: got.__setitem__("a", a[0]))]
+        try:
+            with torch.no_grad():
+                d = self.data
+                for i in range(0, d.n_fit(), d.batch):
+                    x = d.fit_x[i:i + d.batch].to(self.device, self.dtype)
+                    emb = d.fit_emb[i:i + d.batch].to(self.device, self.dtype)
+                    with self.amp():
+                        self.site_mod(x, emb)
+                    yield (got["h1"].transpose(0, 1).flatten(1).T.to(self.ladev, self.ladt),
+                           got["a"].transpose(0, 1).flatten(1).T.to(self.ladev, self.ladt))
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _solve_up(self, down: torch.Tensor, groups: int, gamma: torch.Tensor, beta: torch.Tensor,
+                  prior: torch.Tensor) -> torch.Tensor:
+        """U by least squares from z = silu(GN'(D h1)) to a, per pixel (GN' statistics per map)."""
+        r = down.shape[0]
+        gram = torch.zeros(r, r, dtype=self.ladt, device=self.ladev)
+        cross = torch.zeros(self.c, r, dtype=self.ladt, device=self.ladev)
+        d = self.data
+        for (h1, a), i in zip(self._passes(), range(0, d.n_fit(), d.batch)):
+            b = min(d.batch, d.n_fit() - i)
+            hw = h1.shape[0] // b
+            hd = (h1 @ down.T).reshape(b, hw, r).transpose(1, 2)      # b × r × hw
+            z = F.silu(F.group_norm(hd, groups, gamma, beta, self.eps)).transpose(1, 2).reshape(-1, r)
+            gram += z.T @ z
+            cross += a.T @ z
+        return _ls(cross, gram, self.n, prior=prior)
+
+    def act_select(self, r: int) -> dict:
+        score = self.w2_cols.norm(dim=1) * self.cov_a.diagonal().clamp_min(0).sqrt()
+        idx = _top(score, r)
+        sel = _selection(idx, self.c, self.cov_a)
+        groups = _groups(r, self.c)
+        gamma, beta = self.gamma[idx], self.beta[idx]
+        return {"down": sel, "norm.weight": gamma, "norm.bias": beta,
+                "up": self._solve_up(sel, groups, gamma, beta, sel.T)}
+
+    def act_pca(self, r: int) -> dict:
+        _, evecs = torch.linalg.eigh(self.cov_h)
+        p = evecs[:, -r:].flip(1).T.contiguous()                      # r × c
+        groups = _groups(r, self.c)
+        gamma = torch.ones(r, dtype=self.ladt, device=self.ladev)
+        beta = torch.zeros(r, dtype=self.ladt, device=self.ladev)
+        return {"down": p, "norm.weight": gamma, "norm.bias": beta, "up": self._solve_up(p, groups, gamma, beta, p.T)}
+
+    def weight_svd(self, r: int) -> dict:
+        u, _, _ = torch.linalg.svd(self.w2_cols, full_matrices=True)
+        q = u[:, :r].contiguous()                                     # c × r
+        return {"down": q.T.contiguous(), "norm.weight": torch.ones_like(q[0]),
+                "norm.bias": torch.zeros_like(q[0]), "up": q}
+
+
+def _groups(r: int, width: int) -> int:
+    return adapters.DEFAULT_GROUPS if r == width else adapters.norm_groups_for(r)
+
+
+def random_tensors(kind: str, width: int, r: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    if kind == "ff":
+        return {"down_value": rnd(r, width) / math.sqrt(width), "down_gate": rnd(r, width) / math.sqrt(width),
+                "up": rnd(width, r) / math.sqrt(r)}
+    return {"down": rnd(r, width) / math.sqrt(width), "norm.weight": torch.ones(r, dtype=torch.float64),
+            "norm.bias": torch.zeros(r, dtype=torch.float64), "up": rnd(width, r) / math.sqrt(r)}
+
+
+def select_tensors(weights: Mapping[str, torch.Tensor], site: str, r: int, family: str) -> dict:
+    own = {k: weights[k] for k in list(weights.keys()) if k.startswith(site + ".")}
+    return adapters.AdapterSet.init_select(own, {site: r}, family).sites[site]
+
+
+class SiteInit:
+    """Candidate initialisations of one site at any rank, scored on the eval split."""
+
+    def __init__(self, site: layout.Site, site_mod: nn.Module, naming: str, data: SiteData, weights: Mapping,
+                 family: str, device, dtype, amp, seed: int = 0):
+        self.site, self.site_mod, self.naming, self.data = site, site_mod, naming, data
+        self.weights, self.family = weights, family
+        self.device, self.dtype, self.amp, self.seed = device, dtype, amp, seed
+        self._stats = None
+        self.norm_eps = site_mod.get_submodule(layout.RES_LAYERS[naming]["norm2"]).eps if site.kind == "res" else 1e-5
+
+    @property
+    def stats(self):
+        if self._stats is None:
+            if self.site.kind == "ff":
+                self._stats = FFStats(self.site_mod, self.data, self.device, self.dtype, self.amp)
+            else:
+                self._stats = ResStats(self.site_mod, self.naming, self.data, self.device, self.dtype, self.amp)
+        return self._stats
+
+    def tensors(self, method: str, r: int) -> dict:
+        if method == "select":
+            t = select_tensors(self.weights, self.site.name, r, self.family)
+        elif method == "random":
+            t = random_tensors(self.site.kind, self.site.width, r, self.seed)
+        else:
+            t = getattr(self.stats, method)(r)
+        return {k: v.float().cpu().contiguous() for k, v in t.items()}
+
+    def error(self, tensors: dict, r: int) -> float:
+        adapter = make_site_adapter(self.site.name, self.site.kind, tensors, _groups(r, self.site.width),
+                                    self.norm_eps).to(self.device)
+        student = build_student(self.site_mod, self.site.kind, self.naming, adapter)
+        err = self.data.eval_error(student, self.device, self.dtype, self.amp)
+        return err if math.isfinite(err) else math.inf
+
+    def best(self, r: int, methods) -> tuple[dict, str, dict]:
+        """(tensors of the best method, its name, {method: error})."""
+        errors, cands = {}, {}
+        for method in methods:
+            try:
+                t = self.tensors(method, r)
+            except (RuntimeError, torch.linalg.LinAlgError) as err:   # e.g. a singular least-squares system
+                errors[method] = math.inf
+                cands[method] = None
+                _ = err
+                continue
+            cands[method] = t
+            errors[method] = self.error(t, r)
+        finite = {m: e for m, e in errors.items() if cands[m] is not None and m != "random"} or \
+            {m: e for m, e in errors.items() if cands[m] is not None}
+        name = min(finite, key=lambda m: (finite[m], list(methods).index(m)))
+        return cands[name], name, errors
+
+    def curve(self, ranks, method: str = "act_select") -> dict[int, float]:
+        """Error vs rank for ``method`` (the budget allocator's input)."""
+        return {r: self.error(self.tensors(method, r), r) for r in ranks}

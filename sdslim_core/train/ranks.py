@@ -1,0 +1,100 @@
+"""Ranks per site: uniform ratios with per-kind overrides, or a parameter/byte budget allocated greedily from
+measured error-vs-rank curves (spend parameters where they cut error most per parameter).
+
+Res ranks keep GroupNorm valid: the adapter's groups are ``adapters.norm_groups_for(r)``, which always divides r.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+from .. import adapters, fold, layout
+from .config import TrainConfig, parse_budget
+
+
+def _count(shapes: Mapping[str, tuple]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def site_keys(shapes: Mapping[str, tuple], site: str) -> dict:
+    return {k: v for k, v in shapes.items() if k.startswith(site + ".")}
+
+
+def params_per_rank(shapes: Mapping[str, tuple], site: layout.Site) -> int:
+    """Slim UNet parameters added per unit of rank at ``site`` (the slim count is linear in r)."""
+    own = site_keys(shapes, site.name)
+    return _count(fold.slim_shapes(own, {site.name: 2})) - _count(fold.slim_shapes(own, {site.name: 1}))
+
+
+def slim_param_count(shapes: Mapping[str, tuple], ranks: Mapping[str, int]) -> int:
+    """Parameters of the whole slim UNet (canonical shapes of the original, ranks per slimmed site)."""
+    return _count(fold.slim_shapes(shapes, ranks))
+
+
+def ratio_ranks(site_list: Iterable[layout.Site], tc: TrainConfig) -> dict[str, int]:
+    """Ranks for ``--ratio`` / ``--ff-ratio`` / ``--ff-rank`` / ``--res-ratio`` (sites of a kind without a
+    value are not slimmed; a full-width rank means the site is left as it is)."""
+    site_list = list(site_list)
+    ranks = adapters.ranks_for_ratio(site_list, tc.ratio, tc.ff_ratio, tc.res_ratio)
+    if tc.ff_rank is not None:
+        for s in site_list:
+            if s.kind == "ff":
+                ranks[s.name] = min(s.width, tc.ff_rank)
+    return {s.name: ranks[s.name] for s in site_list if s.name in ranks and ranks[s.name] < s.width}
+
+
+def rank_grid(site: layout.Site, fractions: Iterable[float]) -> list[int]:
+    """Candidate ranks of one site (increasing, below the full width)."""
+    out = sorted({adapters.rank_for_ratio(site.width, f, site.kind) for f in fractions if 0 < f < 1})
+    return [r for r in out if r < site.width]
+
+
+def budget_params(tc: TrainConfig) -> int:
+    return parse_budget(tc.budget, tc.budget_bytes_per_param)[2]
+
+
+def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curves: Mapping[str, Mapping[int, float]],
+             budget: int) -> tuple[dict[str, int], dict]:
+    """Greedy allocation under a whole-UNet parameter budget.
+
+    ``curves[site][rank]`` is the measured relative error at init (rank = width counts as error 0). Every site
+    starts at its smallest candidate rank; then the step (site → its next candidate rank) with the largest error
+    reduction per added parameter is taken while the total stays within ``budget``. Sites that end at full width
+    are left out (not slimmed). Returns (ranks, info).
+    """
+    site_list = [s for s in site_list if s.name in curves]
+    full = _count(shapes)
+    per_rank = {s.name: params_per_rank(shapes, s) for s in site_list}
+    ladder = {}
+    for s in site_list:
+        steps = sorted(int(r) for r in curves[s.name] if int(r) < s.width)
+        ladder[s.name] = steps + [s.width]
+    err = {s.name: {**{int(r): float(e) for r, e in curves[s.name].items()}, s.width: 0.0} for s in site_list}
+    pos = {s.name: 0 for s in site_list}
+    width = {s.name: s.width for s in site_list}
+    total = full - sum(per_rank[n] * (width[n] - ladder[n][0]) for n in pos)
+    floor = total
+    if floor > budget:
+        raise ValueError(f"budget {budget / 1e6:.1f}M parameters is below the smallest slim UNet this rank grid can "
+                         f"make ({floor / 1e6:.1f}M; the original has {full / 1e6:.1f}M)")
+    while True:
+        best, best_gain = None, -1.0
+        for n in pos:
+            if pos[n] + 1 >= len(ladder[n]):
+                continue
+            r0, r1 = ladder[n][pos[n]], ladder[n][pos[n] + 1]
+            cost = per_rank[n] * (r1 - r0)
+            if total + cost > budget:
+                continue
+            gain = (err[n][r0] - err[n][r1]) / max(cost, 1)
+            if gain > best_gain:
+                best, best_gain = n, gain
+        if best is None:
+            break
+        r0, r1 = ladder[best][pos[best]], ladder[best][pos[best] + 1]
+        total += per_rank[best] * (r1 - r0)
+        pos[best] += 1
+    ranks = {n: ladder[n][pos[n]] for n in pos if ladder[n][pos[n]] < width[n]}
+    info = {"budget_params": budget, "slim_params": total, "original_params": full, "min_params": floor,
+            "predicted_error_sum": sum(err[n][ladder[n][pos[n]]] for n in pos)}
+    return ranks, info

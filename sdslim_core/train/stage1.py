@@ -1,0 +1,170 @@
+"""Stage 1, block-local: every site is trained on its own to match its teacher site on captured inputs.
+
+Sites are independent, so they run one after another with only one site's teacher layers, adapter, optimizer
+state and data batch on the device. A finished site is written to ``stage1/site-<index>.safetensors`` at once;
+checkpoints in between hold the current site's adapter, optimizer state and step. Loss: MSE on the site output
+divided by the teacher output's mean square (so one learning rate fits every site). Early stopping: the held-out
+error is measured 8 times per site and the best adapter (possibly the initial one) is kept, so a site never leaves
+stage 1 worse than it entered; the reported stage-1 error is that minimum (chosen on the same held-out data).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..adapters import AdapterSet
+from ..safetensors_io import load_file, save_file_atomic
+from . import checkpoint
+from .sites import build_student, call_site, make_site_adapter
+
+
+def batch_ids(n: int, bs: int, step: int, keys: tuple) -> torch.Tensor:
+    """Indices of minibatch ``step``: consecutive slices of per-epoch permutations of range(n) (a pure function
+    of the keys and the step, so the data cursor is the step itself)."""
+    from .calibration import _gen
+    bs = min(bs, n)
+    start = step * bs
+    out = []
+    while len(out) < bs:
+        epoch, pos = divmod(start, n)
+        perm = torch.randperm(n, generator=_gen(*keys, epoch))
+        take = perm[pos:pos + bs - len(out)]
+        out.extend(take.tolist())
+        start += take.numel()
+    return torch.tensor(out, dtype=torch.long)
+
+
+def lr_at(step: int, total: int, base: float, warmup: float = 0.05, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup``·total steps, then cosine decay to ``floor``·base."""
+    w = max(1, int(total * warmup))
+    if step < w:
+        return base * (step + 1) / w
+    t = (step - w) / max(1, total - w)
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def eval_interval(steps: int, checks: int = 8) -> int:
+    """Held-out evaluations happen every this many steps (and at the end); the best adapter is kept."""
+    return max(1, -(-steps // checks))
+
+
+def done_path(run, index: int):
+    return run.work_dir / "stage1" / f"site-{index:04d}.safetensors"
+
+
+def read_done(run, index: int, site: str):
+    path = done_path(run, index)
+    if not path.exists():
+        return None
+    tensors, meta = load_file(path)
+    import json
+    info = json.loads(meta["sdslim.stage1"])
+    if info["site"] != site:
+        return None
+    return {k.split("/", 1)[1]: v for k, v in tensors.items()}, info
+
+
+def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
+    """Train this process's share of the sites; returns ({site: tensors}, {site: eval error}) for *all* sites
+    (other processes' results are read from the work dir after a barrier)."""
+    tc = run.tc
+    names = [s for s in run.site_order if s in aset.sites]
+    index = {s: i for i, s in enumerate(run.site_order)}
+    owned = [s for s in names if run.topo.owns(index[s])]
+    tensors_out, errors_out = {}, {}
+    prefix = f"s1-r{run.topo.rank}" if run.topo.distributed else "s1"
+    resume_state = None
+    if run.resume:
+        got = checkpoint.latest(run.ckpt_dir, prefix)
+        if got is not None:
+            resume_state = got
+    total_steps = tc.stage1_steps * len(owned)
+    run.progress.start_stage("stage 1", total_steps, unit="step")
+    global_step = 0
+    elapsed, timed = 0.0, 0
+    for site in owned:
+        i = index[site]
+        done = read_done(run, i, site)
+        if done is not None:
+            tensors_out[site], errors_out[site] = done[0], done[1]["error"]
+            global_step += tc.stage1_steps
+            run.progress.skip(global_step)
+            continue
+        kind = aset.kind(site)
+        teacher_site = run.teacher_site_on_device(site)
+        data = run.site_data(site, teacher_site)
+        adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
+                                    run.norm_eps(site)).to(run.device)
+        student = build_student(teacher_site, kind, run.naming, adapter)
+        params = list(adapter.parameters())
+        opt = run.make_optimizer(params, tc.lr1)
+        start = 0
+        every = eval_interval(tc.stage1_steps)
+        if resume_state is not None and resume_state[1].get("site") == site:
+            t, meta, _ = resume_state
+            with torch.no_grad():
+                for name, p in adapter.named_parameters():
+                    p.copy_(t[f"adapter/{name}"])
+            checkpoint.load_optimizer(opt, t, meta["optimizer"])
+            checkpoint.set_rng_state(t, meta["rng"])
+            start = int(meta["site_step"])
+            best_err = float(meta["best_error"])
+            best = {k[len("best/"):]: v for k, v in t.items() if k.startswith("best/")}
+        else:
+            best_err = data.eval_error(student, run.device, run.compute_dtype, run.amp)
+            best = adapter.tensors()
+        bs = tc.ff_batch_tokens if kind == "ff" else tc.res_batch
+        global_step += start
+        run.progress.skip(global_step)
+        for step in range(start, tc.stage1_steps):
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, tc.stage1_steps, tc.lr1)
+            ids = batch_ids(data.n_fit(), bs, step, (tc.seed, 61, i))
+            x, emb, y = data.fit_batch(ids, run.device, run.compute_dtype)
+            with run.amp():
+                out = call_site(student, kind, x, emb)
+            loss = F.mse_loss(out.float(), y) / data.fit_scale
+            loss.backward()
+            if tc.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            elapsed += time.perf_counter() - t0
+            timed += 1
+            global_step += 1
+            if (step + 1) % every == 0 or step + 1 == tc.stage1_steps:
+                err = data.eval_error(student, run.device, run.compute_dtype, run.amp)
+                if err < best_err:
+                    best_err, best = err, adapter.tensors()
+            if global_step % tc.checkpoint_every == 0 and step + 1 < tc.stage1_steps:
+                opt_t, opt_meta = checkpoint.optimizer_tensors(opt)
+                state_t = {f"adapter/{n}": p for n, p in adapter.named_parameters()}
+                state_t.update({f"best/{k}": v for k, v in best.items()})
+                state_t.update(opt_t)
+                checkpoint.save(run.ckpt_dir, prefix, global_step, state_t,
+                                {"stage": 1, "site": site, "site_step": step + 1, "optimizer": opt_meta,
+                                 "best_error": best_err, "cursor": {"site": site, "step": step + 1}},
+                                keep=tc.keep_checkpoints)
+            run.progress.step(global_step, {"stage": 1, "site": site, "loss": float(loss.detach())})
+        err = best_err
+        tensors_out[site] = best
+        errors_out[site] = err
+        save_file_atomic({f"{site}/{k}": v for k, v in tensors_out[site].items()}, done_path(run, i),
+                         {"sdslim.stage1": {"site": site, "error": err, "error_init": errors_init.get(site)}})
+        run.say(f"stage 1 {site}: error {errors_init.get(site, float('nan')):.4f} → {err:.4f}")
+        del data, student, adapter, opt, teacher_site
+        run.free_device_memory()
+    run.progress.end_stage()
+    run.timing["stage1_s_per_step"] = elapsed / timed if timed else None
+    run.topo.barrier()
+    for site in names:
+        if site not in tensors_out:
+            done = read_done(run, index[site], site)
+            if done is None:
+                raise RuntimeError(f"stage 1 result of {site} missing in {run.work_dir / 'stage1'}")
+            tensors_out[site], errors_out[site] = done[0], done[1]["error"]
+    return tensors_out, errors_out

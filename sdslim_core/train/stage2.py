@@ -1,0 +1,278 @@
+"""Stage 2, BERT-of-Theseus: the full UNet with every site replaced by its student with probability
+p(t) = min(1, p0 + k·t) (k such that p = 1 at ``p_full_at`` of the steps), trained on the UNet output against
+the teacher's (recorded during calibration, so no teacher pass and no grad for it here).
+
+A bypassed site runs the teacher's own module (exact); gate decisions are drawn before each step from a
+generator keyed by (seed, step), so they are identical on every process and under gradient-checkpoint
+recomputation. Data-parallel over processes: each takes its slice of the global batch and gradients are averaged.
+Early stopping: the all-student UNet error on held-out inputs is measured 8 times (and at the start); the best
+adapters are kept (so stage 2 never ends worse than stage 1 on that measure, which also selects the stop).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .. import layout
+from ..adapters import AdapterSet
+from . import checkpoint
+from .calibration import InputBank, _gen, unet_call
+from .sites import FeatureRecorder, gated_tree, set_gates
+from .stage1 import batch_ids, eval_interval, lr_at
+
+
+def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of ‖out − target‖² / ‖target‖² (per sample, so the data-parallel average of per-process
+    losses equals the single-process loss of the whole batch)."""
+    dims = tuple(range(1, out.dim()))
+    return ((out - target).pow(2).mean(dims) / target.pow(2).mean(dims).clamp_min(1e-12)).mean()
+
+
+def p_replace(step: int, total: int, p0: float, p_full_at: float) -> float:
+    k = (1.0 - p0) / max(1.0, p_full_at * total)
+    return min(1.0, p0 + k * step)
+
+
+@torch.no_grad()
+def unet_error(tree, gates, bank: InputBank, ids: torch.Tensor, device, dtype, amp, batch: int = 8) -> float:
+    """Relative error of the all-student UNet against the teacher's recorded outputs on rows ``ids``."""
+    set_gates(gates, True)
+    num = den = 0.0
+    for i in range(0, ids.numel(), batch):
+        b = ids[i:i + batch]
+        with amp():
+            out = unet_call(tree, bank.batch(b, device, dtype)).float()
+        ref = bank.eps[b].to(device)
+        num += float((out - ref).double().pow(2).sum())
+        den += float(ref.double().pow(2).sum())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def subset(aset: AdapterSet, sites) -> AdapterSet:
+    sites = list(sites)
+    return AdapterSet(aset.family, {s: aset.sites[s] for s in sites},
+                      {s: g for s, g in aset.norm_groups.items() if s in sites})
+
+
+def split_groups(site_order: list, size: dict, n_groups: int) -> list[list[str]]:
+    """``n_groups`` contiguous groups of the sites in ``size`` (UNet order), balanced by ``size`` (adapter
+    parameters per site)."""
+    sites = [s for s in site_order if s in size]
+    n_groups = max(1, min(n_groups, len(sites)))
+    total = sum(size.values())
+    groups, cur, acc = [], [], 0.0
+    for i, s in enumerate(sites):
+        cur.append(s)
+        acc += size[s]
+        left_groups = n_groups - len(groups) - 1
+        left_sites = len(sites) - i - 1
+        if left_groups > 0 and (acc >= total * (len(groups) + 1) / n_groups or left_sites == left_groups):
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def build(run, aset: AdapterSet, group: list | None = None, done=()):
+    """The stage-2 module: ``group``'s sites (default all) gated between the teacher and trainable train-time
+    adapters; the ``done`` sites (earlier groups) replaced by their folded students, whose teacher layers leave
+    the device; every other site is the teacher."""
+    from .. import fold, swap
+    from .sites import _set_child
+    # a "mixed" teacher has earlier groups' layers off the device already: keep them there
+    teacher = run.teacher if run._teacher_on == "mixed" else run.teacher_on_device()
+    group = [s for s in run.site_order if s in aset.sites] if group is None else list(group)
+    done = [s for s in run.site_order if s in set(done)]
+    slim = None
+    if done:
+        done_set = subset(aset, done)
+        canon, _, _ = layout.to_canonical(dict(teacher.state_dict()))
+        slim = swap.build_slim_module(teacher, done_set, fold.fold_state_dict(canon, done_set))
+    tree, adapters, gates = gated_tree(teacher, subset(aset, group), run.cfg)
+    for a in adapters.values():
+        a.to(run.device)
+    for site in done:
+        path = swap.site_path(teacher, site, run.cfg)
+        run.offload_teacher_site(site)
+        # after the offload: layers the folded site shares with the teacher (norm1, skip) come back to the device
+        _set_child(tree, path, slim.get_submodule(path).to(run.device))
+    tree.requires_grad_(False)
+    for a in adapters.values():
+        a.requires_grad_(True)
+    tree.eval()
+    return tree, adapters, gates
+
+
+@torch.no_grad()
+def measure(run, aset: AdapterSet, bank: InputBank) -> float:
+    """All-student UNet error in the folded (slim) form: no adapter tensors on the device."""
+    from .. import fold, swap
+    teacher = run.teacher_on_device()
+    canon, _, _ = layout.to_canonical(dict(teacher.state_dict()))
+    slim = swap.build_slim_module(teacher, aset, fold.fold_state_dict(canon, aset)).eval()
+    ids = bank.eval_ids()
+    num = den = 0.0
+    for i in range(0, ids.numel(), 8):
+        b = ids[i:i + 8]
+        with run.amp():
+            out = unet_call(slim, bank.batch(b, run.device, run.compute_dtype)).float()
+        ref = bank.eps[b].to(run.device)
+        num += float((out - ref).double().pow(2).sum())
+        den += float(ref.double().pow(2).sum())
+    del slim
+    run.free_device_memory()
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def auto_groups(teacher_bytes: int, adapter_params: int, optimizer: str, total_bytes: int, n_sites: int) -> int:
+    """Fewest stage-2 groups whose adapters (fp32), gradients, optimizer states and bf16 autocast copies fit next
+    to the teacher and a 1.5 GiB margin in 92% of ``total_bytes``."""
+    import math
+    per = 4 + 4 + (2 if optimizer == "adamw8bit" else 8) + 2
+    avail = 0.92 * total_bytes - teacher_bytes - 1.5 * 2 ** 30
+    if adapter_params * per <= avail:
+        return 1
+    if avail <= 0:
+        return n_sites
+    return max(1, min(n_sites, math.ceil(adapter_params * per / avail)))
+
+
+def phase_steps(total: int, n_groups: int) -> list[int]:
+    return [total // n_groups + (1 if i < total % n_groups else 0) for i in range(n_groups)]
+
+
+def group_path(run, g: int):
+    return run.work_dir / "stage2" / f"group-{g:03d}.safetensors"
+
+
+def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, float]:
+    """Returns ({site: tensors}, UNet error before, UNet error after) (errors on the eval split).
+
+    With ``stage2_groups`` G > 1 (memory: only one group's adapters and optimizer state live at a time) the sites
+    are split into G contiguous groups trained one after another, each for its share of the steps with its own
+    replacement curriculum; finished groups stay replaced by their folded students (their teacher layers leave the
+    device), later groups stay teacher. Early stopping in a group measures the model as it stands (students up to
+    this group); after the last group that is the all-student UNet.
+    """
+    from ..safetensors_io import load_file, save_file_atomic
+    tc = run.tc
+    sizes = {s: sum(v.numel() for v in t.values()) for s, t in aset.sites.items()}
+    groups = split_groups(run.site_order, sizes, run.stage2_groups)
+    steps = phase_steps(tc.stage2_steps, len(groups))
+    offsets = [sum(steps[:g]) for g in range(len(groups))]
+    current = {s: dict(t) for s, t in aset.sites.items()}
+    got = checkpoint.latest(run.ckpt_dir, "s2") if run.resume else None
+    before_all = None
+    after = None
+    run.progress.start_stage("stage 2", tc.stage2_steps, unit="step")
+    elapsed, timed = 0.0, 0
+    for g, group in enumerate(groups):
+        path = group_path(run, g)
+        if run.resume and path.exists():
+            tensors, meta = load_file(path)
+            info = json.loads(meta["sdslim.stage2"])
+            for key, v in tensors.items():
+                site, name = key.split("/", 1)
+                current[site][name] = v
+            before_all = info["error_before"] if before_all is None else before_all
+            after = info["best_error"]
+            run.progress.skip(offsets[g] + steps[g])
+            continue
+        done_sites = [s for gg in groups[:g] for s in gg]
+        tree, adapters, gates = build(run, AdapterSet(aset.family, current, aset.norm_groups), group, done_sites)
+        params = [p for s in group for p in adapters[s].parameters()]
+        named = {f"{s}/{n}": p for s in group for n, p in adapters[s].named_parameters()}
+        if run.grad_ckpt and hasattr(tree, "enable_gradient_checkpointing"):
+            tree.enable_gradient_checkpointing()
+        feature = None
+        if tc.feature_loss:
+            feature = FeatureRecorder()
+            for site in group:
+                gates[site].feature = feature
+        opt = run.make_optimizer(params, tc.lr2)
+        total, start, before = steps[g], 0, None
+        if got is not None and got[1].get("phase", 0) == g:
+            t, meta, _ = got
+            with torch.no_grad():
+                for k, p in named.items():
+                    p.copy_(t[f"adapter/{k}"])
+            checkpoint.load_optimizer(opt, t, meta["optimizer"])
+            checkpoint.set_rng_state(t, meta["rng"])
+            start = int(meta["step"]) - offsets[g]
+            before = meta.get("error_before")
+            best_err = float(meta["best_error"])
+            best = {k[len("best/"):]: v for k, v in t.items() if k.startswith("best/")}
+        if before is None:
+            before = unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
+            best_err, best = before, {k: v.detach().float().cpu().clone() for k, v in named.items()}
+        before_all = before if before_all is None else before_all
+        every = eval_interval(total)
+        fit = bank.fit_ids()
+        world, rank = run.topo.world, run.topo.rank
+        gbs = tc.stage2_batch * world
+        run.progress.skip(offsets[g] + start)
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            gstep = offsets[g] + step
+            p = p_replace(step, total, tc.p0, tc.p_full_at)
+            u = torch.rand(len(group), generator=_gen(tc.seed, 71, gstep))
+            set_gates(gates, {s: bool(u[j] < p) for j, s in enumerate(group)})
+            for pg in opt.param_groups:
+                pg["lr"] = lr_at(step, total, tc.lr2)
+            rows = fit[batch_ids(fit.numel(), gbs, gstep, (tc.seed, 72))]
+            mine = rows[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else rows
+            inputs = bank.batch(mine, run.device, run.compute_dtype)
+            target = bank.eps[mine].to(run.device)
+            if feature is not None:
+                feature.start()
+            with run.amp():
+                out = unet_call(tree, inputs)
+            loss = normalised_mse(out.float(), target)
+            if feature is not None:
+                feature.stop()
+                losses = feature.losses()
+                if losses:
+                    loss = loss + tc.feature_loss * torch.stack(losses).mean()
+                feature.pairs = []
+            loss.backward()
+            grads = [q.grad for q in params if q.grad is not None]
+            run.topo.all_reduce_mean_(grads)
+            if tc.grad_clip:
+                torch.nn.utils.clip_grad_norm_([q for q in params if q.grad is not None], tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            elapsed += time.perf_counter() - t0
+            timed += 1
+            done = step + 1
+            if done % every == 0 or done == total:
+                err = unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
+                if err < best_err:
+                    best_err, best = err, {k: v.detach().float().cpu().clone() for k, v in named.items()}
+            gdone = offsets[g] + done
+            if run.topo.main and (gdone % tc.checkpoint_every == 0 or done == total):
+                opt_t, opt_meta = checkpoint.optimizer_tensors(opt)
+                state_t = {f"adapter/{k}": v for k, v in named.items()}
+                state_t.update({f"best/{k}": v for k, v in best.items()})
+                state_t.update(opt_t)
+                checkpoint.save(run.ckpt_dir, "s2", gdone, state_t,
+                                {"stage": 2, "phase": g, "step": gdone, "optimizer": opt_meta,
+                                 "error_before": before, "best_error": best_err,
+                                 "cursor": {"phase": g, "step": gdone, "p": p}}, keep=tc.keep_checkpoints)
+            run.progress.step(run.stage1_total + gdone, {"stage": 2, "loss": float(loss.detach()), "p": round(p, 3)})
+        for site in group:
+            current[site] = {n: best[f"{site}/{n}"].clone() for n in adapters[site].tensors()}
+        if run.topo.main:
+            save_file_atomic({f"{s}/{n}": v for s in group for n, v in current[s].items()}, path,
+                             {"sdslim.stage2": {"group": g, "sites": group, "error_before": before,
+                                                "best_error": best_err}})
+        run.topo.barrier()
+        after = best_err
+        del tree, gates, adapters, opt
+        run.free_device_memory()
+    run.progress.end_stage()
+    run.timing["stage2_s_per_step"] = elapsed / timed if timed else None
+    run.timing["stage2_groups"] = len(groups)
+    return current, before_all, after

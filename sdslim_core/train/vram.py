@@ -1,0 +1,229 @@
+"""Peak VRAM of a training run, predicted before it starts.
+
+Two sources:
+
+- **analytic** (always): what is resident per stage, exactly counted from the shapes: frozen teacher weights
+  (fp16 on CUDA), adapter parameters (fp32), their gradients, optimizer states (AdamW 8 B/param, bitsandbytes
+  8-bit AdamW ≈ 2 B/param), plus for stage 1 one site's data batch and activations.
+- **estimator** (when ``sdslim_core.vram`` is importable): the stage-2 step (full UNet with every site
+  replaced, gradient checkpointing, bf16 autocast, MSE on the output, optimizer step) and the calibration
+  sampling step are run on fake tensors by the VRAM estimator (:mod:`sdslim_core.vram.estimate`) with the
+  trainer's own modules (``estimator_model``/``teacher_model`` below: the frozen teacher as fp16 buffers, as the
+  trainer holds it on CUDA), which counts live bytes including activations.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+GIB = 2 ** 30
+_ENV = "SDSLIM_TRAIN_ESTIMATE_RANKS"
+CALIBRATION_BATCH = 8     # 4 trajectories × (cond + uncond) per teacher call
+
+
+def _count(shapes) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def adapter_param_count(site_list, ranks: dict) -> int:
+    n = 0
+    for s in site_list:
+        r = ranks.get(s.name)
+        if r is None:
+            continue
+        n += 3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r
+    return n
+
+
+def optimizer_bytes_per_param(optimizer: str) -> float:
+    return 2.0 if optimizer == "adamw8bit" else 8.0
+
+
+def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_bytes: int = 2,
+             train_sites=None) -> dict:
+    """Resident bytes per stage (GiB), from shapes only (stage 2: the ``train_sites`` group's adapters)."""
+    from .. import layout
+    from ..unet import build_diffusers_unet
+    unet = build_diffusers_unet(cfg, device="meta")
+    canon, _, _ = layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})
+    site_list = layout.sites(canon)
+    n_teacher = _count(canon)
+    n_adapt = adapter_param_count(site_list, ranks)
+    ob = optimizer_bytes_per_param(optimizer)
+    teacher = n_teacher * teacher_bytes
+    # stage 1: the largest site's layers + its adapter (param, grad, optimizer) + a batch of activations
+    s1 = 0
+    level = {}
+    for s in site_list:
+        r = ranks.get(s.name)
+        if r is None:
+            continue
+        own = {k: v for k, v in canon.items() if k.startswith(s.name + ".")}
+        layers = _count(own) * teacher_bytes
+        a = (3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r) * (4 + 4 + ob)
+        if s.kind == "ff":
+            tokens = tc.ff_batch_tokens
+            act = tokens * (s.in_dim * 3 + 2 * s.width * 2 + 6 * r) * 4 * 2
+        else:
+            hw = _site_pixels(s.name, cfg, latent_size, level)
+            act = tc.res_batch * hw * (s.in_dim * 3 + s.width * 3 + 6 * r + s.out_dim * 2) * 4 * 2
+        s1 = max(s1, layers + a + act)
+    train = set(train_sites or ranks)
+    n_group = adapter_param_count([s for s in site_list if s.name in train], ranks)
+    # stage-2 groups: the first group is the peak (finished groups run folded with their teacher layers off the
+    # device, later groups are plain teacher)
+    s2_static = teacher + n_group * (4 + 4 + ob)
+    return {"teacher_params": n_teacher, "adapter_params": n_adapt, "stage2_group_adapter_params": n_group,
+            "teacher_gib": teacher / GIB,
+            "adapters_gib": n_group * 4 / GIB, "grads_gib": n_group * 4 / GIB, "optimizer_gib": n_group * ob / GIB,
+            "stage1_gib": s1 / GIB, "stage2_static_gib": s2_static / GIB}
+
+
+def _site_pixels(site: str, cfg, latent: int, cache: dict) -> int:
+    """Spatial size of a Res site's maps: the level is read from the block index."""
+    parts = site.split(".")
+    nrb = cfg.num_res_blocks
+    levels = cfg.levels
+    if parts[0] == "input_blocks":
+        lvl = (int(parts[1]) - 1) // (nrb + 1)
+    elif parts[0] == "middle_block":
+        lvl = levels - 1
+    else:
+        lvl = levels - 1 - int(parts[1]) // (nrb + 1)
+    side = max(1, latent // 2 ** lvl)
+    return side * side
+
+
+def _empty_adapter_set(by_name: dict, ranks: dict):
+    """An :class:`AdapterSet` of empty tensors (fake-tensor safe: its validation, which reads values, is skipped)."""
+    import torch
+    from ..adapters import AdapterSet, norm_groups_for
+    tensors, groups = {}, {}
+    for site, r in ranks.items():
+        s = by_name[site]
+        if s.kind == "ff":
+            tensors[site] = {"down_value": torch.empty(r, s.width), "down_gate": torch.empty(r, s.width),
+                             "up": torch.empty(s.width, r)}
+        else:
+            tensors[site] = {"down": torch.empty(r, s.width), "norm.weight": torch.empty(r),
+                             "norm.bias": torch.empty(r), "up": torch.empty(s.width, r)}
+            groups[site] = norm_groups_for(r)
+    aset = AdapterSet.__new__(AdapterSet)
+    aset.family, aset.sites, aset.norm_groups, aset.metadata, aset.source = "sd15", tensors, groups, {}, "<estimate>"
+    return aset
+
+
+def estimator_model(settings):
+    """Model factory for the VRAM estimator: the stage-2 module.
+
+    ``$SDSLIM_TRAIN_ESTIMATE_RANKS`` holds JSON ``{"ranks": {site: rank}, "train": [sites]}``: the ``train`` sites
+    (default all; with stage-2 groups, the largest group) get gated trainable adapters; the frozen teacher becomes
+    fp16 buffers.
+    """
+    from .. import layout, swap
+    from ..vram import harness
+    from .sites import SiteGate, _set_child
+    unet = harness.original_unet(settings)
+    spec = json.loads(os.environ.get(_ENV, "{}"))
+    ranks = spec.get("ranks", spec if "train" not in spec else {})
+    train = spec.get("train") or list(ranks)
+    canon, _, _ = layout.to_canonical(dict(unet.state_dict()))
+    by_name = {s.name: s for s in layout.sites({k: tuple(v.shape) for k, v in canon.items()})}
+    cfg = swap.tree_config(unet)
+    train_set = _empty_adapter_set(by_name, {s: ranks[s] for s in train})
+    tree, adapters = swap.attach_train_adapters(unet, train_set)
+    students = {s: tree.get_submodule(swap.site_path(unet, s, cfg)) for s in train}
+    # with stage-2 groups, the first group is the peak: later sites are the teacher; finished groups (later on)
+    # run folded with their teacher layers off the device, which only lowers the total
+    for site, student in students.items():
+        path = swap.site_path(unet, site, cfg)
+        _set_child(tree, path, SiteGate(site, by_name[site].kind, unet.get_submodule(path), student))
+    _freeze_as_fp16_buffers(tree, keep=set(adapters.values()))
+    return tree
+
+
+def teacher_model(settings):
+    """Model factory for the estimator's calibration step: the teacher with fp16 frozen weights."""
+    from ..vram import harness
+    unet = harness.original_unet(settings)
+    _freeze_as_fp16_buffers(unet, keep=set())
+    return unet
+
+
+def _freeze_as_fp16_buffers(tree, keep: set):
+    """Turn every parameter outside the ``keep`` modules into an fp16 buffer: that is how the trainer holds the
+    frozen teacher on CUDA, and the estimator's harness makes all *parameters* trainable (full fine-tune)."""
+    import torch
+    kept = {id(p) for m in keep for p in m.parameters()}
+    for module in tree.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or id(p) in kept:
+                continue
+            del module._parameters[name]
+            module.register_buffer(name, p.detach().to(torch.float16), persistent=False)
+
+
+def estimate(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: bool, timeout: float = 900,
+             train_sites=None) -> dict:
+    """Stage-2 and calibration peaks from the VRAM estimator (GiB, corrected to an fp16 teacher)."""
+    from .. import layout
+    from ..vram.estimate import estimate_many
+    from ..vram.settings import Settings
+    arch = cfg.family if cfg.family in ("sd15", "sd2", "sdxl") else "sd15"
+    base = dict(arch=arch, resolution=latent_size * 8, precision="amp-bf16", unet_config=layout.diffusers_config(cfg),
+                model_factory="sdslim_core.train.vram:estimator_model")
+    opt = {"adamw8bit": "adamw8bit", "adamw": "adamw-fused"}.get(optimizer, "adamw-fused")
+    jobs = [("stage2", Settings(optimizer=opt, grad_ckpt=grad_ckpt, **base), "stage2"),
+            ("calibration", Settings(sampling=True, **dict(base, model_factory="sdslim_core.train.vram:teacher_model")),
+             "calibration")]
+    env = dict(os.environ, **{_ENV: json.dumps({"ranks": ranks, "train": list(train_sites or ranks)})})
+    batch2 = max(1, tc.stage2_batch)
+    want = {"stage2": batch2, "calibration": CALIBRATION_BATCH}
+    results = estimate_many(jobs, batch_sizes=tuple(sorted(set(want.values()))), timeout=timeout, env=env)
+    out = {}
+    for r in results:
+        point = next(p for p in r.points if p["batch"] == want[r.name])
+        out[r.name] = {"peak_gib": point["peak_gib"], "batch": want[r.name], "phase": point["phase"],
+                       "breakdown_gib": point["breakdown_gib"], "device_mode": r.device_mode,
+                       "warnings": r.warnings}
+    return out
+
+
+def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: bool, use_estimator: bool = True,
+            timeout: float = 900, train_sites=None) -> dict:
+    """Predicted peak per stage and overall (GiB) with a one-line ``text``; ``train_sites``: the largest
+    stage-2 group when stage 2 runs in groups."""
+    a = analytic(cfg, ranks, tc, latent_size, optimizer, train_sites=train_sites)
+    result = {"analytic": a, "latent_size": latent_size, "optimizer": optimizer, "grad_ckpt": grad_ckpt,
+              "stage2_group_sites": len(train_sites) if train_sites else len(ranks)}
+    est = None
+    if use_estimator:
+        try:
+            est = estimate(cfg, ranks, tc, latent_size, optimizer, grad_ckpt, timeout=timeout,
+                           train_sites=train_sites)
+        except ImportError as err:
+            result["estimator"] = f"unavailable ({err})"
+        except Exception as err:  # the estimator is optional: never block training on it
+            result["estimator"] = f"failed ({type(err).__name__}: {err})"
+    else:
+        result["estimator"] = "not run"
+    if est:
+        result["estimator"] = est
+        s2 = est["stage2"]["peak_gib"]
+        cal = est["calibration"]["peak_gib"]
+        result["stages_gib"] = {"calibration": cal, "stage1": a["stage1_gib"], "stage2": s2}
+        result["peak_gib"] = max(cal, a["stage1_gib"], s2)
+        result["text"] = (f"predicted peak {result['peak_gib']:.2f} GiB (stage 2 {s2:.2f}, calibration {cal:.2f}, "
+                          f"stage 1 {a['stage1_gib']:.2f}; VRAM estimator on fake tensors, fp16 teacher, "
+                          f"{optimizer}, latent {latent_size}², batch {tc.stage2_batch}"
+                          f"{', grad ckpt' if grad_ckpt else ''}"
+                          f"{f', stage 2 in groups (largest {len(train_sites)} sites)' if train_sites else ''})")
+    else:
+        s2 = a["stage2_static_gib"]
+        result["stages_gib"] = {"stage1": a["stage1_gib"], "stage2_without_activations": s2}
+        result["peak_gib"] = None
+        result["text"] = (f"VRAM estimator {result['estimator']}; resident without activations: stage 2 "
+                          f"{s2:.2f} GiB (teacher {a['teacher_gib']:.2f} + adapters/grads/optimizer "
+                          f"{s2 - a['teacher_gib']:.2f}), stage 1 {a['stage1_gib']:.2f} GiB")
+    return result

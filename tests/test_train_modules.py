@@ -1,0 +1,376 @@
+"""Trainer building blocks on the tiny SD-layout UNet: gates, per-site students, calibration capture,
+initialisation quality, rank allocation and checkpoint files."""
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import randomize_, tiny_config
+from sdslim_core import adapters, layout, swap
+from sdslim_core.train import calibration as cal
+from sdslim_core.train import checkpoint, ranks as ranks_mod
+from sdslim_core.train.config import TrainConfig, parse_budget
+from sdslim_core.train.init import SiteInit
+from sdslim_core.train.sites import (FeatureRecorder, SiteData, build_student, gated_tree, make_site_adapter,
+                                     set_gates, site_module)
+from sdslim_core.unet import build_diffusers_unet
+
+NULL = __import__("contextlib").nullcontext
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is as fast, and on 2 busy cores OpenMP threads spinning against other
+    processes make steps up to ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _canon(unet):
+    canon, _, _ = layout.to_canonical(unet.state_dict())
+    return canon
+
+
+def _perturbed(canon, ratio=0.5, seed=1):
+    site_list = layout.sites(canon)
+    aset = adapters.AdapterSet.init_select(canon, adapters.ranks_for_ratio(site_list, ratio), "sd15")
+    g = torch.Generator().manual_seed(seed)
+    for t in aset.sites.values():
+        for k, v in t.items():
+            t[k] = (v + 0.2 * torch.randn(v.shape, generator=g, dtype=torch.float64)).to(v.dtype)
+    return aset
+
+
+def _inputs(cfg, dtype, seed=3, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, cfg.in_channels, 8, 8, generator=g, dtype=dtype), torch.tensor([10.0, 700.0])[:batch],
+            torch.randn(batch, 5, cfg.context_dim, generator=g, dtype=dtype))
+
+
+@pytest.fixture(scope="module")
+def unet64():
+    torch.manual_seed(0)
+    return randomize_(build_diffusers_unet(tiny_config(), dtype=torch.float64)).eval()
+
+
+def test_gates_off_reproduce_teacher_exactly_and_on_match_attach_train_adapters(unet64):
+    cfg = tiny_config()
+    aset = _perturbed(_canon(unet64))
+    x, t, ctx = _inputs(cfg, torch.float64)
+    with torch.no_grad():
+        teacher = unet64(x, t, encoder_hidden_states=ctx).sample
+        tree, _, gates = gated_tree(unet64, aset, cfg)
+        set_gates(gates, False)
+        assert torch.equal(tree(x, t, encoder_hidden_states=ctx).sample, teacher)
+        set_gates(gates, True)
+        gated = tree(x, t, encoder_hidden_states=ctx).sample
+        reference, _ = swap.attach_train_adapters(unet64, aset)
+        ref = reference(x, t, encoder_hidden_states=ctx).sample
+    assert torch.equal(gated, ref)
+    assert (gated - teacher).norm() / teacher.norm() > 1e-3          # the students really differ
+    # mixed: replacing one site changes the output, the teacher tree itself is untouched
+    with torch.no_grad():
+        set_gates(gates, {s: s == "input_blocks.1.0" for s in gates})
+        one = tree(x, t, encoder_hidden_states=ctx).sample
+        assert not torch.equal(one, teacher) and not torch.equal(one, ref)
+        assert torch.equal(unet64(x, t, encoder_hidden_states=ctx).sample, teacher)
+
+
+def test_site_student_equals_the_site_inside_attach_train_adapters(unet64):
+    cfg = tiny_config()
+    aset = _perturbed(_canon(unet64))
+    tree, site_adapters = swap.attach_train_adapters(unet64, aset)
+    g = torch.Generator().manual_seed(5)
+    for site in ("input_blocks.4.1.transformer_blocks.0.ff", "output_blocks.3.0", "middle_block.0"):
+        kind = aset.kind(site)
+        teacher_site = site_module(unet64, site, cfg)
+        adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
+                                    teacher_site.norm2.eps if kind == "res" else 1e-5).double()
+        student = build_student(teacher_site, kind, "diffusers", adapter)
+        other = site_module(tree, site, cfg)
+        with torch.no_grad():
+            if kind == "ff":
+                x = torch.randn(3, 7, teacher_site.net[0].proj.in_features, generator=g, dtype=torch.float64)
+                a, b = student(x), other(x)
+            else:
+                x = torch.randn(2, teacher_site.conv1.in_channels, 4, 4, generator=g, dtype=torch.float64)
+                e = torch.randn(2, teacher_site.time_emb_proj.in_features, generator=g, dtype=torch.float64)
+                a, b = student(x, e), other(x, e)
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), site
+
+
+def test_feature_loss_and_gradient_checkpointing_give_the_same_gradients():
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    unet = build_diffusers_unet(cfg).eval()
+    aset = _perturbed(_canon(unet))
+    x, t, ctx = _inputs(cfg, torch.float32, batch=1)
+    grads = []
+    for ckpt in (False, True):
+        tree, site_adapters, gates = gated_tree(unet, aset, cfg)
+        tree.requires_grad_(False)
+        for a in site_adapters.values():
+            a.requires_grad_(True)
+        if ckpt:
+            tree.enable_gradient_checkpointing()
+        rec = FeatureRecorder()
+        for gate in gates.values():
+            gate.feature = rec
+        rec.start()
+        out = tree(x, t, encoder_hidden_states=ctx).sample
+        rec.stop()
+        losses = rec.losses()
+        assert len(losses) == len(gates) and all(v > 0 for v in losses)
+        (out.pow(2).mean() + torch.stack(losses).mean()).backward()
+        assert len(rec.pairs) == len(gates)                      # recomputation did not record again
+        grads.append(torch.cat([p.grad.flatten() for a in site_adapters.values() for p in a.parameters()]))
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------- calibration
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """A float32 tiny teacher, a small calibration (CFG trajectories) and its captured site activations."""
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    unet = build_diffusers_unet(cfg).eval().requires_grad_(False)
+    ctx = torch.randn(3, 6, cfg.context_dim, generator=torch.Generator().manual_seed(1))
+    calib = cal.Calibration.from_contexts(ctx)
+    tc = TrainConfig(n_trajectories=8, sample_steps=6, guidance=3.0, latent_size=8, res_maps=64, ff_inputs=64)
+    bank = cal.build_inputs(unet, cfg, calib, tc, "cpu", torch.float32, 8, NULL)
+    store = cal.ActivationStore(tmp_path_factory.mktemp("calib"), ram_budget=2e5)   # tiny budget: many shards
+    site_list = layout.sites(_canon(unet))
+    cal.capture_sites(unet, cfg, bank, site_list, tc, store, "cpu", torch.float32, NULL)
+    return dict(unet=unet, cfg=cfg, bank=bank, store=store, tc=tc, site_list=site_list)
+
+
+def test_calibration_records_the_teachers_own_trajectories(captured):
+    bank, unet = captured["bank"], captured["unet"]
+    tc = captured["tc"]
+    assert len(bank) == tc.n_trajectories * tc.sample_steps * 2          # CFG: uncond + cond rows
+    assert bank.is_eval.any() and (~bank.is_eval).any()
+    for g in bank.group.unique():                                          # split by whole trajectories
+        assert bank.is_eval[bank.group == g].unique().numel() == 1
+    assert (bank.ctx == bank.contexts.shape[0] - 1).sum() == len(bank) // 2   # half are unconditional rows
+    ids = torch.tensor([0, len(bank) - 1])
+    with torch.no_grad():
+        eps = cal.unet_call(unet, bank.batch(ids))
+    assert torch.allclose(eps, bank.eps[ids], atol=1e-5)                  # recorded outputs are the teacher's
+
+
+def test_activation_store_shards_and_reads_back_sites(captured):
+    store, site_list = captured["store"], captured["site_list"]
+    assert len(store.shards) > 1                                          # the RAM budget forced several shards
+    ff = next(s for s in site_list if s.kind == "ff")
+    res = next(s for s in site_list if s.kind == "res")
+    f = store.site(ff.name, "fit")
+    assert f["x"].ndim == 2 and f["x"].shape[1] == ff.in_dim and f["x"].shape[0] > 100
+    r = store.site(res.name, "eval")
+    assert r["x"].ndim == 4 and r["emb"].shape == (r["x"].shape[0], res.emb_dim)
+    reopened = cal.ActivationStore.open(store.folder, store.manifest())
+    assert torch.equal(reopened.site(ff.name, "fit")["x"], f["x"])
+
+
+def _site_init(captured, name):
+    site = next(s for s in captured["site_list"] if s.name == name)
+    mod = site_module(captured["unet"], name, captured["cfg"])
+    store = captured["store"]
+    data = SiteData(name, site.kind, store.site(name, "fit"), store.site(name, "eval"), mod, "cpu", torch.float32,
+                    NULL, batch=4096 if site.kind == "ff" else 8)
+    return SiteInit(site, mod, "diffusers", data, _canon(captured["unet"]), "sd15", "cpu", torch.float32, NULL)
+
+
+@pytest.mark.parametrize("name", ["input_blocks.1.1.transformer_blocks.0.ff", "output_blocks.5.1.transformer_blocks.0.ff",
+                                  "input_blocks.2.0", "output_blocks.4.0"])
+def test_activation_aware_init_beats_random_init_widely(captured, name):
+    si = _site_init(captured, name)
+    r = si.site.width // 2
+    _, chosen, errors = si.best(r, ("act_select", "act_pca", "weight_svd", "select", "random"))
+    assert chosen != "random"
+    assert errors[chosen] < 0.6 * errors["random"], errors
+    assert errors["act_select"] <= errors["weight_svd"], errors           # the weak baseline is beaten
+    assert all(math.isfinite(e) for e in errors.values())
+
+
+def test_full_rank_selection_init_is_exact(captured):
+    for name in ("input_blocks.1.1.transformer_blocks.0.ff", "output_blocks.4.0"):
+        si = _site_init(captured, name)
+        t = si.tensors("act_select", si.site.width)
+        assert si.error(t, si.site.width) < 1e-5
+
+
+def test_error_vs_rank_curve_falls(captured):
+    si = _site_init(captured, "output_blocks.5.1.transformer_blocks.0.ff")
+    curve = si.curve([32, 96, 192])
+    assert curve[32] > curve[96] > curve[192]
+
+
+# --------------------------------------------------------------------------------------------------- ranks
+
+def test_parse_budget():
+    assert parse_budget("600M") == ("params", 6e8, 600_000_000)
+    assert parse_budget("1.2GB")[2] == 600_000_000                       # fp16: 2 bytes per parameter
+    assert parse_budget("1GiB", 4)[2] == 2 ** 30 // 4
+    assert parse_budget(12345)[2] == 12345
+    for bad in ("1.2B", "abc", "-5M", "3 parsecs"):
+        with pytest.raises(ValueError):
+            parse_budget(bad)
+
+
+def test_ratio_ranks_overrides_and_groups():
+    shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(tiny_config(), device="meta")).items()}
+    site_list = layout.sites(shapes)
+    r = ranks_mod.ratio_ranks(site_list, TrainConfig(ff_rank=48, res_ratio=0.25))
+    for s in site_list:
+        if s.kind == "ff":
+            assert r[s.name] == 48
+        else:
+            assert r[s.name] == max(1, round(s.width * 0.25))
+            assert r[s.name] % adapters.norm_groups_for(r[s.name]) == 0
+    only_ff = ranks_mod.ratio_ranks(site_list, TrainConfig(ff_ratio=0.5))
+    assert {layout.site_kind(s) for s in only_ff} == {"ff"}
+    with pytest.raises(ValueError):
+        TrainConfig(ratio=0.5, budget="1M")
+
+
+def test_budget_allocation_spends_where_error_falls_fastest():
+    shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(tiny_config(), device="meta")).items()}
+    site_list = [s for s in layout.sites(shapes) if s.kind == "ff"][:2]
+    a, b = site_list
+    grid = {s.name: ranks_mod.rank_grid(s, (0.25, 0.5, 0.75)) for s in site_list}
+    # site a: error barely moves with rank; site b: error drops steeply
+    curves = {a.name: {r: 0.5 - 0.01 * i for i, r in enumerate(grid[a.name])},
+              b.name: {r: 0.9 - 0.3 * i for i, r in enumerate(grid[b.name])}}
+    full = ranks_mod.slim_param_count(shapes, {})
+    floor = ranks_mod.slim_param_count(shapes, {s.name: grid[s.name][0] for s in site_list})
+    step_b = ranks_mod.params_per_rank(shapes, b) * (grid[b.name][1] - grid[b.name][0])
+    ranks, info = ranks_mod.allocate(site_list, shapes, curves, floor + step_b)
+    assert ranks[b.name] == grid[b.name][1] and ranks[a.name] == grid[a.name][0]
+    assert info["slim_params"] == ranks_mod.slim_param_count(shapes, ranks) <= floor + step_b
+    ranks, _ = ranks_mod.allocate(site_list, shapes, curves, full)       # enough for everything: nothing slimmed
+    assert ranks == {}
+    with pytest.raises(ValueError, match="below the smallest"):
+        ranks_mod.allocate(site_list, shapes, curves, floor - 1)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_roundtrip_keeps_optimizer_and_rng(tmp_path):
+    import random
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    t, meta = checkpoint.optimizer_tensors(opt)
+    random.seed(7)
+    torch.manual_seed(7)
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, "s2", step, dict(t, **{"adapter/w": p}), {"step": step, "optimizer": meta}, keep=2)
+    assert sorted(f.name for f in tmp_path.glob("*.safetensors")) == ["s2-000000002.safetensors",
+                                                                       "s2-000000003.safetensors"]
+    expect_torch, expect_py = torch.rand(3), random.random()
+    tensors, state, path = checkpoint.latest(tmp_path, "s2")
+    assert state["step"] == 3 and torch.equal(tensors["adapter/w"], p.detach())
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=1e-2)
+    checkpoint.load_optimizer(opt2, tensors, state["optimizer"])
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    checkpoint.set_rng_state(tensors, state["rng"])
+    assert torch.equal(torch.rand(3), expect_torch) and random.random() == expect_py
+    # damage the newest file: a clear error naming the previous checkpoint, which stays
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match="s2-000000002"):
+        checkpoint.latest(tmp_path, "s2")
+    assert (tmp_path / "s2-000000002.safetensors").exists()
+    path.write_bytes(bytes(raw[:100]))                                   # truncated
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt checkpoint"):
+        checkpoint.latest(tmp_path, "s2")
+
+
+# ------------------------------------------------------------------------------------- CLI and VRAM factory
+
+def test_cli_budget_run_on_the_shipped_tiny_checkpoint(tmp_path, capsys):
+    from sdslim_core import cli, tiny
+    from sdslim_core.adapters import AdapterSet
+    out = tmp_path / "a.safetensors"
+    code = cli.main(["train", "--ckpt", str(tiny.DEFAULT_PATH), "--out", str(out), "--budget", "2.4M",
+                     "--steps", "0", "--trajectories", "3", "--sample-steps", "2", "--guidance", "4",
+                     "--prompt", "a red circle on a blue background", "--prompt", "a green square on a white background",
+                     "--no-vram-estimate", "--no-progress", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["budget"]["budget_params"] == 2_400_000
+    assert report["params"]["slim"] <= 2_400_000 < report["params"]["original"]
+    assert report["calibration"]["source"] == "prompts" and report["calibration"]["n_prompts"] == 2
+    aset = AdapterSet.load(out)
+    assert set(aset.site_errors()) == set(aset.sites) and len(set(aset.ranks().values())) > 2   # ranks differ
+    for site in aset.sites:
+        if aset.kind(site) == "res":
+            assert aset.rank(site) % aset.groups(site) == 0
+    assert aset.metadata["sdslim.train"]["ranks"]["budget"] == "2.4M"
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    from sdslim_core import cli
+    ckpt = tmp_path / "unet.safetensors"
+    from safetensors.torch import save_file
+    unet = build_diffusers_unet(tiny_config())
+    save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(ckpt))
+    code = cli.main(["train", "--ckpt", str(ckpt), "--out", str(tmp_path / "a.safetensors"), "--prompt", "a cat",
+                     "--no-vram-estimate"])
+    assert code == 2 and "--embeddings" in capsys.readouterr().err
+
+
+def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
+    from sdslim_core.train import vram
+    from sdslim_core.train.sites import SiteGate
+    from sdslim_core.vram.settings import Settings
+    cfg = tiny_config()
+    shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(cfg, device="meta")).items()}
+    ranks = adapters.ranks_for_ratio(layout.sites(shapes), 0.5)
+    monkeypatch.setenv(vram._ENV, json.dumps(ranks))
+    with torch.device("meta"):
+        tree = vram.estimator_model(Settings(unet_config=layout.diffusers_config(cfg), resolution=64))
+    gates = [m for m in tree.modules() if isinstance(m, SiteGate)]
+    assert len(gates) == len(ranks)
+    trainable = sum(p.numel() for p in tree.parameters() if p.requires_grad)
+    assert trainable == vram.adapter_param_count(layout.sites(shapes), ranks)
+    a = vram.analytic(cfg, ranks, TrainConfig(), 8, "adamw")
+    assert a["adapter_params"] == trainable and a["stage2_static_gib"] > a["teacher_gib"]
+
+
+# ------------------------------------------------------------------------------------------ other teachers
+
+def test_teacher_from_an_ldm_module_is_the_same_network(tiny_ldm_unet):
+    """ComfyUI/A1111 hand over LDM UNetModel trees: the trainer's diffusers teacher computes the same function."""
+    from sdslim_core.train.run import teacher_weights
+    from sdslim_core.unet import load_diffusers_unet
+    weights, cfg = teacher_weights(tiny_ldm_unet)
+    assert cfg.num_heads == tiny_ldm_unet.num_heads
+    teacher = load_diffusers_unet(weights, cfg, dtype=torch.float64).eval()
+    x, t, ctx = _inputs(cfg, torch.float64)
+    with torch.no_grad():
+        a = tiny_ldm_unet(x, timesteps=t, context=ctx)
+        b = teacher(x, t, encoder_hidden_states=ctx).sample
+    assert ((a - b).norm() / a.norm()).item() < 1e-9
+
+
+def test_sdxl_layout_trains_with_pooled_and_time_ids(tmp_path):
+    from sdslim_core.train import Calibration, train_adapters
+    torch.manual_seed(0)
+    cfg = tiny_config("sdxl")
+    unet = build_diffusers_unet(cfg).eval()
+    calib = Calibration(contexts=torch.randn(2, 6, cfg.context_dim), pooled=torch.randn(2, 64))
+    tc = TrainConfig(n_trajectories=4, sample_steps=2, latent_size=8, stage1_steps=1, stage2_steps=1, ff_inputs=16,
+                     res_maps=16)
+    result = train_adapters(unet, cfg, calib, tc, tmp_path / "a.safetensors")
+    assert result.adapters.family == "sdxl"
+    bank = cal.InputBank.load(tmp_path / "a.safetensors.work" / "calib" / cal.BANK_FILE)
+    assert bank.pooled.shape == (3, 64) and bank.time_ids.shape == (len(bank), 6)
+    assert torch.equal(bank.time_ids[0], torch.tensor([64.0, 64.0, 0.0, 0.0, 64.0, 64.0]))
+    assert set(result.report.unet_error) == {"init", "stage1", "stage2"}

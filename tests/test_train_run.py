@@ -1,0 +1,204 @@
+"""End-to-end training on a tiny SD-layout teacher (random weights, fixed seed): errors fall stage by stage, the
+adapter file carries the metadata the rest of sdslim relies on, a killed run resumes bit-for-bit, and a damaged
+checkpoint gives a clear error while the previous one is kept."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from sdslim_core.adapters import AdapterSet
+from sdslim_core.train import CheckpointError, Calibration, TrainConfig, train_adapters
+from sdslim_core.unet import build_diffusers_unet
+
+# many short trajectories: the held-out split is by trajectory, and stage 1 generalises only with diverse data
+FAST = dict(ratio=0.5, n_trajectories=40, sample_steps=2, guidance=3.0, latent_size=16, ff_inputs=160, res_maps=128,
+            stage1_steps=16, stage2_steps=8, lr1=1e-3, lr2=3e-4, checkpoint_every=3, seed=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is as fast, and on 2 busy cores OpenMP threads spinning against other
+    processes make steps up to ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Killed(Exception):
+    pass
+
+
+def _teacher():
+    torch.manual_seed(0)
+    return build_diffusers_unet(tiny_config()).eval()
+
+
+def _calib():
+    ctx = torch.randn(3, 6, tiny_config().context_dim, generator=torch.Generator().manual_seed(1))
+    return Calibration.from_contexts(ctx)
+
+
+def _kill_at(step):
+    def progress(done, total, info):
+        if done == step:
+            raise Killed(f"simulated kill at step {done}")
+    return progress
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "adapters.safetensors"
+    calls = []
+    result = train_adapters(_teacher(), tiny_config(), _calib(), TrainConfig(**FAST), out,
+                            progress=lambda d, n, info: calls.append((d, n, info["stage"])))
+    return result, out, calls
+
+
+def test_errors_fall_stage_by_stage(reference):
+    result, _, _ = reference
+    rep = result.report
+    init, s1 = rep.site_error["init"], rep.site_error["stage1"]
+    assert set(init) == set(s1) == set(result.adapters.sites) and len(init) == 28
+    worse = {s: (init[s], s1[s]) for s in init if not s1[s] < init[s]}
+    assert not worse, f"stage 1 did not lower these sites' errors: {worse}"
+    u = rep.unet_error
+    assert u["stage1"] < u["init"] and u["stage2"] < u["stage1"], u
+    summary = rep.init_summary()
+    assert summary["act_select"]["wins"] >= 14                      # activation-aware init wins most sites
+    assert summary["act_select"]["mean_error"] < summary["weight_svd"]["mean_error"]
+
+
+def test_progress_reports_every_step(reference):
+    result, _, calls = reference
+    n1 = FAST["stage1_steps"] * 28
+    assert [d for d, _, _ in calls] == list(range(1, n1 + FAST["stage2_steps"] + 1))
+    assert {n for _, n, _ in calls} == {n1 + FAST["stage2_steps"]}
+    assert [s for _, _, s in calls].count(2) == FAST["stage2_steps"]
+
+
+def test_adapter_file_metadata_and_plot(reference):
+    result, out, _ = reference
+    aset = AdapterSet.load(out)
+    assert aset.family == "sd15" and aset.ranks() == result.adapters.ranks()
+    train = aset.metadata["sdslim.train"]
+    errors = aset.site_errors()
+    assert set(errors) == set(aset.sites) and all(0 < e < 2 for e in errors.values())
+    assert train["steps"] == {"stage1_per_site": 16, "stage2": 8}
+    assert train["data"]["n_inputs"] == 40 * 2 * 2 and train["data"]["source"] == "contexts"
+    assert set(train["unet_error"]) == {"init", "stage1", "stage2"}
+    assert aset.metadata["sdslim.base"]["family"] == "sd15"
+    half = aset.select(0.5)
+    kept = sorted(errors, key=errors.get)[:14]
+    assert set(half.sites) == set(kept)
+    for site, t in aset.sites.items():
+        for name, v in t.items():
+            assert torch.equal(v, result.adapters.sites[site][name])
+    png = out.with_name("adapters.errors.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = result.report.text()
+    assert "act_select" in text and "stage1" in text
+    json.dumps(result.report.to_dict())
+
+
+def test_killed_run_resumes_bit_for_bit_and_corrupt_checkpoint_is_reported(reference, tmp_path):
+    ref, _, _ = reference
+    out = tmp_path / "b" / "adapters.safetensors"
+    tc = TrainConfig(**FAST)
+    n1 = FAST["stage1_steps"] * 28
+    with pytest.raises(Killed):                                     # in stage 1, mid-site, between checkpoints
+        train_adapters(_teacher(), tiny_config(), _calib(), tc, out, progress=_kill_at(100))
+    with pytest.raises(Killed):                                     # in stage 2, after checkpoints at 3 and 6
+        train_adapters(_teacher(), tiny_config(), _calib(), tc, out, progress=_kill_at(n1 + 7), resume=True)
+    work = out.with_name(out.name + ".work")
+    # a copy of the work dir with its newest stage-2 checkpoint damaged: clear error, previous one kept
+    bad_out = tmp_path / "c" / "adapters.safetensors"
+    bad_work = bad_out.with_name(bad_out.name + ".work")
+    shutil.copytree(work, bad_work)
+    ckpts = sorted((bad_work / "checkpoints").glob("s2-*.safetensors"))
+    assert [p.name for p in ckpts] == ["s2-000000003.safetensors", "s2-000000006.safetensors"]
+    ckpts[-1].write_bytes(ckpts[-1].read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match="s2-000000003"):
+        train_adapters(_teacher(), tiny_config(), _calib(), tc, bad_out, resume=True)
+    assert ckpts[0].exists() and ckpts[-1].exists()
+    # the real run continues where it stopped
+    result = train_adapters(_teacher(), tiny_config(), _calib(), tc, out, resume=True)
+    assert result.adapters.ranks() == ref.adapters.ranks()
+    for site, t in ref.adapters.sites.items():
+        for name, v in t.items():
+            assert torch.equal(result.adapters.sites[site][name], v), (site, name)
+    assert result.report.unet_error == ref.report.unet_error
+    assert result.report.site_error == ref.report.site_error
+
+
+def test_resume_refuses_a_work_dir_of_other_settings(reference):
+    _, out, _ = reference
+    other = TrainConfig(**dict(FAST, lr1=1e-2))
+    with pytest.raises(ValueError, match="lr1"):
+        train_adapters(_teacher(), tiny_config(), _calib(), other, out, resume=True)
+
+
+# ------------------------------------------------------------------------------------------- two processes
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_cpu_processes_shard_stage1_and_share_stage2(reference, tmp_path):
+    """The ``accelerate launch`` path with 2 CPU processes (gloo, started by torch.distributed.run): stage 1 shards
+    the sites, stage 2 is data-parallel; both processes end with the same adapters."""
+    import os
+    import subprocess
+    import sys
+    _, ref_out, _ = reference
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), os.path.join(here, "train_dist_worker.py"), str(tmp_path),
+           json.dumps(dict(FAST, stage2_steps=4))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = (AdapterSet.load(tmp_path / f"rank{r}.safetensors") for r in (0, 1))
+    for site, t in a.sites.items():                      # gradients were averaged: both processes agree
+        for name, v in t.items():
+            assert torch.equal(v, b.sites[site][name]), (site, name)
+    info = json.loads((tmp_path / "rank0.json").read_text())
+    assert info["world"] == 2
+    # stage 1 does not depend on how the sites are sharded: the single-process adapters (up to thread count)
+    ref_s1 = AdapterSet.load(ref_out.with_name(ref_out.name + ".work") / "stage1.safetensors")
+    two_s1 = AdapterSet.load(tmp_path / "adapters.safetensors.work" / "stage1.safetensors")
+    assert set(two_s1.sites) == set(ref_s1.sites) == set(a.sites)
+    for site, t in ref_s1.sites.items():
+        for name, v in t.items():
+            assert torch.allclose(two_s1.sites[site][name], v, atol=2e-4), (site, name)
+    u = info["unet_error"]
+    assert u["stage2"] < u["stage1"] < u["init"], u
+    saved = AdapterSet.load(tmp_path / "adapters.safetensors")
+    assert saved.metadata["sdslim.train"]["processes"] == 2
+    assert set(saved.site_errors()) == set(a.sites)
+
+
+def test_stage2_in_groups_resumes_bit_for_bit(tmp_path):
+    """Stage 2 in 3 site groups (the low-VRAM mode): killed inside the second group, resumed, same adapters."""
+    small = dict(FAST, n_trajectories=10, latent_size=8, ff_inputs=40, res_maps=40, stage1_steps=0, stage2_steps=9,
+                 stage2_groups=3)
+    tc = TrainConfig(**small)
+    ref = train_adapters(_teacher(), tiny_config(), _calib(), tc, tmp_path / "a" / "adapters.safetensors")
+    assert ref.report.timing["stage2_groups"] == 3
+    assert ref.report.unet_error["stage2"] < ref.report.unet_error["stage1"]
+    groups = sorted((tmp_path / "a" / "adapters.safetensors.work" / "stage2").glob("group-*.safetensors"))
+    assert len(groups) == 3
+    out = tmp_path / "b" / "adapters.safetensors"
+    n1 = 0
+    with pytest.raises(Killed):
+        train_adapters(_teacher(), tiny_config(), _calib(), tc, out, progress=_kill_at(n1 + 5))
+    result = train_adapters(_teacher(), tiny_config(), _calib(), tc, out, resume=True)
+    for site, t in ref.adapters.sites.items():
+        for name, v in t.items():
+            assert torch.equal(result.adapters.sites[site][name], v), (site, name)

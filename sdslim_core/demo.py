@@ -220,7 +220,6 @@ def summary_markdown(s: dict) -> str:
 
 
 def run(args) -> int:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     summary = run_demo(args.out, ratio=args.ratio, fast=args.fast, sample_steps=args.sample_steps, seed=args.seed)
     if args.json:
         print(json.dumps(summary, default=str))

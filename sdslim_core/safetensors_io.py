@@ -101,6 +101,9 @@ def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mappin
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)          # mkstemp makes 0600; give the file normal permissions
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -17,7 +17,7 @@ import torch
 PROMPTS_SEED = 20261130          # a data stream the teacher never saw (it trained on seed 0)
 FAST = dict(stage1_steps=30, stage2_steps=20, n_trajectories=4, sample_steps=8, ff_tokens=4096, res_maps=24,
             rank_grid=(0.25, 0.5, 0.75))
-FULL = dict(stage1_steps=150, stage2_steps=150, n_trajectories=12, sample_steps=12, ff_tokens=8192, res_maps=48,
+FULL = dict(stage1_steps=400, stage2_steps=1500, n_trajectories=24, sample_steps=16, ff_tokens=16384, res_maps=96,
             rank_grid=(0.25, 0.5, 0.75))
 
 

@@ -7,7 +7,18 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-torch.set_num_threads(1)   # tiny models: one thread is as fast and immune to oversubscription
+torch.set_num_threads(1)   # also for module-scoped fixtures, which are built before the per-test fixture below
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is as fast, and on a busy 2-core box spinning OpenMP threads make steps
+    up to ~50x slower. Restored after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 from sdslim_core import layout  # noqa: E402
 

@@ -12,14 +12,6 @@ from sdslim_core.tiny import DEFAULT_PATH
 pytestmark = pytest.mark.skipif(not DEFAULT_PATH.exists(), reason="tiny asset not generated")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny convolutions on a busy 2-core box run far faster on one (non-spinning) thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def weights():

@@ -10,13 +10,6 @@ from sdslim_core.safetensors_io import load_file, save_file_atomic
 from test_slim_roundtrip import EXTRA, canonical_weights, make_loras, random_adapters, write_ldm_checkpoint
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):

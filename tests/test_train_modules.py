@@ -19,15 +19,6 @@ from sdslim_core.unet import build_diffusers_unet
 NULL = __import__("contextlib").nullcontext
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and on 2 busy cores OpenMP threads spinning against other
-    processes make steps up to ~50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _canon(unet):
     canon, _, _ = layout.to_canonical(unet.state_dict())

@@ -17,15 +17,6 @@ FAST = dict(ratio=0.5, n_trajectories=40, sample_steps=2, guidance=3.0, latent_s
             stage1_steps=16, stage2_steps=8, lr1=1e-3, lr2=3e-4, checkpoint_every=3, seed=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is as fast, and on 2 busy cores OpenMP threads spinning against other
-    processes make steps up to ~50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 class Killed(Exception):
     pass

@@ -34,11 +34,12 @@ def norm_groups_for(rank: int, preferred: int = DEFAULT_GROUPS) -> int:
 
 
 def rank_for_ratio(width: int, ratio: float, kind: str) -> int:
-    """Bottleneck width for a width fraction; Res ranks are rounded to a multiple of 32 where the width allows."""
+    """Bottleneck width for a width fraction. Res ranks of real-size blocks (width ≥ 256) are rounded to a multiple
+    of 32 so the bottleneck GroupNorm keeps 32 groups; narrower blocks keep the exact fraction."""
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
     r = max(1, int(round(width * ratio)))
-    if kind == "res" and width % DEFAULT_GROUPS == 0 and r >= DEFAULT_GROUPS:
+    if kind == "res" and width % DEFAULT_GROUPS == 0 and width >= 256 and r >= DEFAULT_GROUPS:
         r = min(width, DEFAULT_GROUPS * max(1, int(round(r / DEFAULT_GROUPS))))
     return r
 

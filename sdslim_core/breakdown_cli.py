@@ -18,8 +18,7 @@ def canonical_shapes_for_file(path) -> tuple[dict, layout.UNetConfig]:
     """Canonical key → shape of a checkpoint, from its header only."""
     from .unet import open_checkpoint
     ckpt = open_checkpoint(path)
-    shapes = ckpt.source.shapes()
-    return {k: shapes[ckpt.weights._mapping[k]] for k in ckpt.weights}, ckpt.config
+    return ckpt.weights.shapes(), ckpt.config
 
 
 def run(args) -> int:

@@ -608,9 +608,8 @@ def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
 
 def _shape_getter(weights: Mapping):
     """canonical key → shape, from the file header where ``weights`` is a lazy checkpoint view."""
-    source, mapping = getattr(weights, "_source", None), getattr(weights, "_mapping", None)
-    if source is not None and mapping is not None and hasattr(source, "entries"):
-        return {k: source.entries[mapping[k]][1] for k in mapping}
+    if hasattr(weights, "shapes"):
+        return weights.shapes()
     return {k: tuple(v.shape) for k, v in weights.items()}
 
 

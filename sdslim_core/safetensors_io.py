@@ -1,6 +1,7 @@
 """Reading and writing ``.safetensors`` files: lazily, atomically, with clear errors."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -83,6 +84,15 @@ class LazyStateDict(Mapping):
 
     def shapes(self) -> dict:
         return {k: shape for k, (_, shape) in self.entries.items()}
+
+
+def file_sha256(path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def load_file(path) -> tuple[dict, dict]:

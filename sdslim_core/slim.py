@@ -9,7 +9,6 @@ through unchanged; the output keeps the input's key names, dtypes and metadata, 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from torch import nn
 from . import fold, layout
 from .adapters import AdapterSet, norm_groups_for
 from .lora import LoraMerger, MergeReport
-from .safetensors_io import FileFormatError, LazyStateDict, read_header
+from .safetensors_io import FileFormatError, LazyStateDict, file_sha256, read_header
 from .unet import UNET_CONFIG_KEY, open_checkpoint
 
 SLIM_KEY = "sdslim.slim"
@@ -147,14 +146,6 @@ def site_keys(site: str, kind: str, shapes: Mapping) -> list[str]:
     return [k for k in (f"{site}.{layer}.{p}" for layer in layers for p in ("weight", "bias")) if k in shapes]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (b.exists() and os.path.samefile(a, b))
@@ -208,9 +199,8 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     aset, site_tensors = _streamed_adapters(adapters, select)
     cfg = src.config
     reader = _Reader(src.path)
-    file_shapes = src.source.shapes()
-    mapping = src.weights._mapping                  # canonical → file key
-    canon_shapes = {k: tuple(file_shapes[f]) for k, f in mapping.items()}
+    mapping = src.weights.file_keys                 # canonical → file key
+    canon_shapes = {k: tuple(v) for k, v in src.weights.shapes().items()}
     aset.check_model(canon_shapes, family=cfg.family)
     merger = LoraMerger([(p, s) for p, s in loras], cfg, canon_shapes, fold_sites=aset)
     warnings = list(merger.report.warnings)
@@ -229,7 +219,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     origin = {"file": Path(aset.source).name if aset.source != "<memory>" else "<memory>",
               "sites": len(aset.sites), "select": select}
     if aset.source != "<memory>" and Path(aset.source).is_file():
-        origin["sha256"] = _sha256(Path(aset.source))
+        origin["sha256"] = file_sha256(aset.source)
     lora_meta = [{"file": Path(str(p)).name if not isinstance(p, Mapping) else "<state dict>", "strength": float(s)}
                  for p, s in loras]
     meta = dict(src.metadata)

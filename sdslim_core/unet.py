@@ -36,35 +36,41 @@ def _is_unet_key(key: str) -> bool:
 
 
 class _LazyCanonical(dict):
-    """canonical key → tensor, reading each tensor from the file on first access."""
+    """canonical key → tensor, reading each tensor from the file on first access.
 
-    def __init__(self, source: LazyStateDict, mapping: dict):
+    ``file_keys`` maps each canonical key to its key in the file; :meth:`shapes` reads shapes from the header.
+    """
+
+    def __init__(self, source: LazyStateDict, file_keys: dict):
         super().__init__()
-        self._source, self._mapping = source, mapping
+        self._source, self.file_keys = source, file_keys
+
+    def shapes(self) -> dict:
+        return {k: self._source.entries[f][1] for k, f in self.file_keys.items()}
 
     def __getitem__(self, key):
-        return self._source[self._mapping[key]]
+        return self._source[self.file_keys[key]]
 
     def get(self, key, default=None):
-        return self[key] if key in self._mapping else default
+        return self[key] if key in self.file_keys else default
 
     def __contains__(self, key):
-        return key in self._mapping
+        return key in self.file_keys
 
     def __iter__(self):
-        return iter(self._mapping)
+        return iter(self.file_keys)
 
     def __len__(self):
-        return len(self._mapping)
+        return len(self.file_keys)
 
     def keys(self):
-        return self._mapping.keys()
+        return self.file_keys.keys()
 
     def items(self):
-        return ((k, self[k]) for k in self._mapping)
+        return ((k, self[k]) for k in self.file_keys)
 
     def values(self):
-        return (self[k] for k in self._mapping)
+        return (self[k] for k in self.file_keys)
 
 
 def _heads_from_metadata(metadata: dict) -> dict:

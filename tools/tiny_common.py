@@ -1,6 +1,5 @@
 """Shared plumbing of the tiny-asset training tools: setup, EMA, plots, and the asset manifest + README."""
 import copy
-import hashlib
 import json
 import os
 import shlex
@@ -13,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from sdslim_core.safetensors_io import file_sha256  # noqa: E402
 
 ASSETS = ROOT / "sdslim_core" / "assets"
 MANIFEST = ASSETS / "manifest.json"
@@ -118,18 +119,10 @@ def image_grid(images: torch.Tensor, row_labels: list, col_labels: list, path: P
     plt.close(fig)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def record_asset(path: Path, entry: dict):
     """Add/replace ``path``'s entry (with size and sha256) in manifest.json, then rewrite README.md from it."""
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
-    manifest[path.name] = {"bytes": path.stat().st_size, "sha256": sha256(path), **entry}
+    manifest[path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path), **entry}
     MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
     (ASSETS / "README.md").write_text(_readme(manifest))
 

@@ -1,9 +1,15 @@
 """Adapter sets: the public ``sdslim-adapters`` file format, validation, ranks and data-free initialisation.
 
-Tensors per FF site ``<site>.down_value`` [r,m], ``<site>.down_gate`` [r,m], ``<site>.up`` [m,r]; per Res site
-``<site>.down`` [r,c], ``<site>.norm.weight`` [r], ``<site>.norm.bias`` [r], ``<site>.up`` [c,r].
-Metadata: ``sdslim.format``=``sdslim-adapters``, ``sdslim.version``=``1``, ``sdslim.family``,
-``sdslim.norm_groups`` (JSON site→groups where not 32), free JSON (``sdslim.train``, ``sdslim.base``).
+Tensors per FF site ``<site>.down_value`` [r,m], ``<site>.down_gate`` [r,m], ``<site>.up`` [m,r] and, from format
+version 2, an optional ``<site>.up_bias`` [m] (the least-squares intercept, folded into the ``net.2`` bias); per Res
+site ``<site>.down`` [r,c], ``<site>.norm.weight`` [r], ``<site>.norm.bias`` [r], ``<site>.up`` [c,r].
+Metadata: ``sdslim.format``=``sdslim-adapters``, ``sdslim.version`` (``1``, or ``2`` when a file holds ``up_bias``),
+``sdslim.family``, ``sdslim.norm_groups`` (JSON site→groups where not 32), free JSON (``sdslim.train``,
+``sdslim.base``).
+
+GroupNorm rule (:func:`res_groups`): every SD ResBlock's ``norm2`` has 32 groups, so a c-wide site has groups of
+c/32 channels. A Res bottleneck keeps whole groups (its rank is a multiple of c/32 and its norm has rank/(c/32)
+groups): kept channels are then normalised over exactly the channels the teacher normalises them with.
 """
 from __future__ import annotations
 
@@ -18,10 +24,12 @@ from . import layout
 from .safetensors_io import FileFormatError, load_file, save_file_atomic
 
 FORMAT = "sdslim-adapters"
-VERSION = 1
+VERSION = 2                           # written only when a file needs it (``up_bias``); version 1 otherwise
+READ_VERSIONS = ("1", "2")
 FF_TENSORS = ("down_value", "down_gate", "up")
+FF_OPTIONAL = ("up_bias",)
 RES_TENSORS = ("down", "norm.weight", "norm.bias", "up")
-DEFAULT_GROUPS = 32
+DEFAULT_GROUPS = 32                   # GroupNorm groups of every SD1.x/2.x/XL ResBlock norm2
 
 
 class AdapterError(FileFormatError):
@@ -33,14 +41,27 @@ def norm_groups_for(rank: int, preferred: int = DEFAULT_GROUPS) -> int:
     return max(g for g in range(1, min(preferred, rank) + 1) if rank % g == 0)
 
 
+def group_size(width: int) -> int:
+    """Channels per ``norm2`` group of a ``width``-wide ResBlock (1 when 32 does not divide the width)."""
+    return width // DEFAULT_GROUPS if width % DEFAULT_GROUPS == 0 else 1
+
+
+def res_groups(width: int, rank: int) -> int:
+    """GroupNorm groups of a Res bottleneck of ``rank`` channels at a ``width``-wide site: whole teacher groups
+    (``rank / group_size``) when the rank allows it, else the largest divisor of the rank ≤ 32."""
+    k = group_size(width)
+    return rank // k if rank % k == 0 else norm_groups_for(rank)
+
+
 def rank_for_ratio(width: int, ratio: float, kind: str) -> int:
-    """Bottleneck width for a width fraction. Res ranks of real-size blocks (width ≥ 256) are rounded to a multiple
-    of 32 so the bottleneck GroupNorm keeps 32 groups; narrower blocks keep the exact fraction."""
+    """Bottleneck width for a width fraction. Res ranks are rounded to whole ``norm2`` groups (a multiple of
+    ``group_size(width)``, at least one group), so the bottleneck can keep the teacher's normalisation."""
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
     r = max(1, int(round(width * ratio)))
-    if kind == "res" and width % DEFAULT_GROUPS == 0 and width >= 256 and r >= DEFAULT_GROUPS:
-        r = min(width, DEFAULT_GROUPS * max(1, int(round(r / DEFAULT_GROUPS))))
+    if kind == "res":
+        k = group_size(width)
+        r = min(width, k * max(1, int(round(r / k))))
     return r
 
 
@@ -111,8 +132,10 @@ class AdapterSet:
             except layout.LayoutError as err:
                 self._fail(site, str(err))
             names = FF_TENSORS if kind == "ff" else RES_TENSORS
-            if set(t) != set(names):
-                self._fail(site, f"{kind} site needs tensors {names}, found {sorted(t)}")
+            optional = FF_OPTIONAL if kind == "ff" else ()
+            if not set(names) <= set(t) <= set(names) | set(optional):
+                self._fail(site, f"{kind} site needs tensors {names}" + (f" (optional {optional})" if optional else "")
+                           + f", found {sorted(t)}")
             for name, v in t.items():
                 if not torch.is_floating_point(v):
                     self._fail(f"{site}.{name}", f"dtype {v.dtype} is not floating point")
@@ -121,6 +144,8 @@ class AdapterSet:
             if kind == "ff":
                 r, m = t["down_value"].shape if t["down_value"].ndim == 2 else (-1, -1)
                 expect = {"down_value": (r, m), "down_gate": (r, m), "up": (m, r)}
+                if "up_bias" in t:
+                    expect["up_bias"] = (m,)
             else:
                 r, m = t["down"].shape if t["down"].ndim == 2 else (-1, -1)
                 expect = {"down": (r, m), "norm.weight": (r,), "norm.bias": (r,), "up": (m, r)}
@@ -156,7 +181,8 @@ class AdapterSet:
 
     def save(self, path, dtype: torch.dtype | None = None) -> Path:
         meta = dict(self.metadata)
-        meta.update({"sdslim.format": FORMAT, "sdslim.version": str(VERSION), "sdslim.family": self.family})
+        version = VERSION if any("up_bias" in t for t in self.sites.values()) else 1
+        meta.update({"sdslim.format": FORMAT, "sdslim.version": str(version), "sdslim.family": self.family})
         groups = {s: g for s, g in self.norm_groups.items() if g != DEFAULT_GROUPS}
         if groups:
             meta["sdslim.norm_groups"] = groups
@@ -175,9 +201,9 @@ class AdapterSet:
         if need("sdslim.format") != FORMAT:
             raise AdapterError(f"{src}: sdslim.format is {meta['sdslim.format']!r}, expected {FORMAT!r}")
         version = need("sdslim.version")
-        if version != str(VERSION):
+        if version not in READ_VERSIONS:
             raise AdapterError(f"{src}: sdslim.version {version!r} is not supported by this sdslim (reads "
-                               f"version {VERSION}); update sdslim")
+                               f"versions {', '.join(READ_VERSIONS)}); update sdslim")
         extra = {}
         for key, value in meta.items():
             if key in ("sdslim.format", "sdslim.version", "sdslim.family", "sdslim.norm_groups"):
@@ -212,8 +238,8 @@ class AdapterSet:
             else:
                 sites[site] = {"down": sel, "norm.weight": torch.ones(r), "norm.bias": torch.zeros(r),
                                "up": sel.t().contiguous()}
-                if r % DEFAULT_GROUPS:
-                    groups[site] = norm_groups_for(r)
+                if res_groups(kind.width, r) != DEFAULT_GROUPS:
+                    groups[site] = res_groups(kind.width, r)
         return cls(cfg.family, sites, groups)
 
     @classmethod
@@ -241,7 +267,7 @@ class AdapterSet:
                 score = w1.flatten(1).norm(dim=1) * w2.transpose(0, 1).flatten(1).norm(dim=1)
                 sel = _selection(score, r).to(dt)
                 idx = sel.argmax(dim=1)
-                g = DEFAULT_GROUPS if r == s.width else norm_groups_for(r)
+                g = res_groups(s.width, r)
                 sites[site] = {"down": sel, "norm.weight": weights[f"{site}.out_layers.0.weight"].to(dt)[idx],
                                "norm.bias": weights[f"{site}.out_layers.0.bias"].to(dt)[idx],
                                "up": sel.t().contiguous()}
@@ -265,8 +291,8 @@ def _selection(score: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def _split_tensor_key(key: str, src: str) -> tuple[str, str]:
-    for name in ("norm.weight", "norm.bias", "down_value", "down_gate", "down", "up"):
+    for name in ("norm.weight", "norm.bias", "down_value", "down_gate", "down", "up_bias", "up"):
         if key.endswith("." + name):
             return key[:-len(name) - 1], name
-    raise AdapterError(f"{src}: unknown tensor {key!r} (expected <site>.down_value/down_gate/up or "
+    raise AdapterError(f"{src}: unknown tensor {key!r} (expected <site>.down_value/down_gate/up[/up_bias] or "
                        "<site>.down/norm.weight/norm.bias/up)")

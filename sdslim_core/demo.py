@@ -81,7 +81,7 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
     ``train_overrides`` replaces :class:`TrainConfig` fields of the FAST/FULL presets (the test suite uses it).
     """
     from . import adapters, breakdown, fold, layout, lora, swap, tiny, tiny_data
-    from .evaluate import cosine, psnr, rel_error, ssim
+    from .fidelity import cosine, psnr, rel_error, ssim
     from .sampling import diffusers_fn
     from .train import Calibration, TrainConfig, train_adapters
     from .unet import load_diffusers_unet

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import fold, layout, sampling, swap
 from .adapters import AdapterSet
+from .fidelity import cosine, jsonable, psnr, rel_error, ssim
 from .lora import merge_loras
 from .safetensors_io import FileFormatError, LazyStateDict, read_header
 from .unet import load_diffusers_unet, open_checkpoint
@@ -35,65 +36,6 @@ from .unet import load_diffusers_unet, open_checkpoint
 TINY_META = "sdslim.tiny.text_config"
 VAE_PREFIXES = ("first_stage_model.", "vae.")
 DEFAULT_PROMPT = "a red circle on a blue background"
-
-
-# --------------------------------------------------------------------------------------------- metrics
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ in float64 (0 when both are zero)."""
-    a, b = a.double(), b.double()
-    den = b.norm().item()
-    num = (a - b).norm().item()
-    return 0.0 if num == 0 else (num / den if den else math.inf)
-
-
-def psnr(x: torch.Tensor, ref: torch.Tensor, peak: float | None = None) -> float:
-    """PSNR in dB of ``x`` against ``ref``; ``peak`` defaults to the range of ``ref``; inf when identical."""
-    x, ref = x.double(), ref.double()
-    mse = (x - ref).pow(2).mean().item()
-    peak = (ref.max() - ref.min()).item() if peak is None else peak
-    if mse == 0:
-        return math.inf
-    return 10 * math.log10(peak * peak / mse) if peak > 0 else -math.inf
-
-
-def ssim(x: torch.Tensor, ref: torch.Tensor, window: int = 11, sigma: float = 1.5) -> float:
-    """Mean SSIM (Wang et al. 2004; Gaussian window, images in [0, 1], per channel, valid region)."""
-    x, ref = x.double(), ref.double()
-    if x.ndim == 3:
-        x, ref = x[None], ref[None]
-    window = min(window, x.shape[-1], x.shape[-2])
-    coords = torch.arange(window, dtype=torch.float64) - (window - 1) / 2
-    g = torch.exp(-coords ** 2 / (2 * sigma ** 2))
-    g = g / g.sum()
-    kernel = (g[:, None] * g[None, :]).expand(x.shape[1], 1, window, window)
-
-    def blur(t):
-        return torch.nn.functional.conv2d(t, kernel, groups=x.shape[1])
-    c1, c2 = 0.01 ** 2, 0.03 ** 2
-    mu_x, mu_y = blur(x), blur(ref)
-    sxx = blur(x * x) - mu_x ** 2
-    syy = blur(ref * ref) - mu_y ** 2
-    sxy = blur(x * ref) - mu_x * mu_y
-    m = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x ** 2 + mu_y ** 2 + c1) * (sxx + syy + c2))
-    return m.mean().item()
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    den = (a.norm() * b.norm()).item()
-    return (a @ b).item() / den if den else math.nan
-
-
-def jsonable(value):
-    """Replace non-finite floats by strings (``"inf"``, ``"-inf"``, ``"nan"``) so the output is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def _mean(values):

@@ -1,7 +1,8 @@
 """The exact fold of bottleneck adapters into neighbouring layers (pure functions on tensors).
 
 FF site (GEGLU proj W_p = [W_v; W_g] ∈ R^{2m×d}, out W_o ∈ R^{d×m}; adapter A_v, A_g ∈ R^{r×m}, U ∈ R^{m×r}):
-    W'_p = [A_v W_v; A_g W_g], b'_p = [A_v b_v; A_g b_g], W'_o = W_o U, b'_o = b_o
+    W'_p = [A_v W_v; A_g W_g], b'_p = [A_v b_v; A_g b_g], W'_o = W_o U, b'_o = b_o + W_o c
+    (c ∈ R^m: the adapter's optional intercept ``up_bias``, the train-time y = W_o (U h + c) + b_o)
 Res site (conv1 W_1, emb W_e, conv2 W_2; adapter D ∈ R^{r×c}, GroupNorm' over r, U ∈ R^{c×r}):
     W'_1 = D×W_1, b'_1 = D b_1, W'_e = D W_e, b'_e = D b_e, norm2 := GroupNorm', W'_2 = W_2×U, b'_2 = b_2
 Folding is linear in W, so merging a LoRA into W first and folding afterwards is exact.
@@ -21,7 +22,7 @@ def _compute_dtype(*tensors) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up):
+def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up, up_bias=None):
     """Return (W'_p, b'_p, W'_o, b'_o) in the dtype of ``w_p``, computed in at least float32."""
     dt = _compute_dtype(w_p, down_value)
     m = w_o.shape[1]
@@ -31,8 +32,12 @@ def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up):
     new_bp = None if b_p is None else torch.cat([a_v @ b_p.to(dt)[:m], a_g @ b_p.to(dt)[m:]])
     new_wo = w_o.to(dt) @ up.to(dt)
     out = w_p.dtype
-    return (new_wp.to(out), None if new_bp is None else new_bp.to(out), new_wo.to(out),
-            None if b_o is None else b_o.clone())
+    if up_bias is None:
+        new_bo = None if b_o is None else b_o.clone()
+    else:
+        shift = w_o.to(dt) @ up_bias.to(dt)
+        new_bo = (shift if b_o is None else b_o.to(dt) + shift).to(out)
+    return new_wp.to(out), None if new_bp is None else new_bp.to(out), new_wo.to(out), new_bo
 
 
 def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
@@ -58,7 +63,7 @@ def fold_site(site: str, kind: str, get: Callable[[str], torch.Tensor | None], t
     if kind == "ff":
         p, o = f"{site}.{FF_LAYERS['proj']}", f"{site}.{FF_LAYERS['out']}"
         wp, bp, wo, bo = fold_ff(get(p + ".weight"), get(p + ".bias"), get(o + ".weight"), get(o + ".bias"),
-                                 tensors["down_value"], tensors["down_gate"], tensors["up"])
+                                 tensors["down_value"], tensors["down_gate"], tensors["up"], tensors.get("up_bias"))
         out = {p + ".weight": wp, o + ".weight": wo}
         if bp is not None:
             out[p + ".bias"] = bp

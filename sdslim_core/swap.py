@@ -78,6 +78,7 @@ class SiteAdapter(nn.Module):
             return nn.Parameter(tensors[name].detach().to(dtype).clone())
         if kind == "ff":
             self.down_value, self.down_gate = param("down_value"), param("down_gate")
+            self.up_bias = param("up_bias") if "up_bias" in tensors else None
         else:
             self.down = param("down")
             self.norm = nn.GroupNorm(groups, self.down.shape[0], eps=eps, dtype=dtype)
@@ -87,6 +88,8 @@ class SiteAdapter(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         if self.kind == "ff":
             names = {"down_value": self.down_value, "down_gate": self.down_gate, "up": self.up}
+            if self.up_bias is not None:
+                names["up_bias"] = self.up_bias
         else:
             names = {"down": self.down, "norm.weight": self.norm.weight, "norm.bias": self.norm.bias,
                      "up": self.up}
@@ -108,14 +111,15 @@ class FFDown(nn.Module):
 
 
 class FFUp(nn.Module):
-    """The bottleneck expansion U followed by the original output layer."""
+    """The bottleneck expansion U (with the optional intercept c) followed by the original output layer."""
 
     def __init__(self, out: nn.Module, adapter: SiteAdapter):
         super().__init__()
         self.out, self.adapter = out, adapter
 
     def forward(self, h):
-        return self.out(F.linear(h, self.adapter.up.to(h.dtype)))
+        a = self.adapter
+        return self.out(F.linear(h, a.up.to(h.dtype), None if a.up_bias is None else a.up_bias.to(h.dtype)))
 
 
 class ResDown(nn.Module):

@@ -1,4 +1,7 @@
-"""The shipped tiny SD1.5-structure model (``assets/tiny_sd15.safetensors``) as a small pipeline, and its ControlNet.
+"""The shipped tiny SD1.5-structure teachers as small pipelines, with their LoRA and ControlNet.
+
+Two teachers ship (:data:`TEACHERS`): ``tiny`` (base width 32, the demo's) and ``wide`` (base width 64: blocks
+64-128 wide, 2-4 channels per GroupNorm group, so fidelity is not judged on 32-channel blocks alone).
 
 The file is an LDM single-file checkpoint: ``model.diffusion_model.`` (canonical UNet keys),
 ``first_stage_model.`` (LDM VAE keys, written by :func:`vae_to_ldm`, read back with diffusers' own LDM converter)
@@ -18,9 +21,20 @@ from . import sampling, tiny_text, unet as unet_mod
 from .safetensors_io import FileFormatError, load_file
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-DEFAULT_PATH = ASSETS / "tiny_sd15.safetensors"
-LORA_PATH = ASSETS / "tiny_lora_green.safetensors"
-CONTROLNET_PATH = ASSETS / "tiny_controlnet_mask.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherAssets:
+    """The files of one shipped teacher: checkpoint, its "green" LoRA and its mask ControlNet."""
+    name: str
+    model: Path
+    lora: Path
+    controlnet: Path
+
+
+TEACHERS = {name: TeacherAssets(name, ASSETS / f"{name}_sd15.safetensors", ASSETS / f"{name}_lora_green.safetensors",
+                                ASSETS / f"{name}_controlnet_mask.safetensors") for name in ("tiny", "wide")}
+DEFAULT_PATH, LORA_PATH, CONTROLNET_PATH = TEACHERS["tiny"].model, TEACHERS["tiny"].lora, TEACHERS["tiny"].controlnet
 VAE_PREFIX, TEXT_PREFIX = "first_stage_model.", "cond_stage_model."
 META = {"vae": "sdslim.tiny.vae_config", "text": "sdslim.tiny.text_config", "schedule": "sdslim.tiny.schedule",
         "image_size": "sdslim.tiny.image_size", "controlnet": "sdslim.tiny.controlnet_config"}

@@ -31,8 +31,14 @@ def test_round_trip(tmp_path, aset, weights):
     back.check_model(weights, "sd15")
 
 
-def test_ranks_respect_group_norm():
-    assert adapters.rank_for_ratio(320, 0.5, "res") == 160 and 160 % 32 == 0
+def test_res_ranks_keep_whole_norm2_groups():
+    """SD's norm2 has 32 groups: a 320-wide block has groups of 10 channels, so Res ranks are multiples of 10 and
+    the bottleneck norm has one group per kept group; FF ranks are plain fractions."""
+    assert adapters.rank_for_ratio(320, 0.5, "res") == 160 and adapters.res_groups(320, 160) == 16
+    assert adapters.rank_for_ratio(320, 0.75, "res") == 240 and adapters.res_groups(320, 240) == 24
+    assert adapters.rank_for_ratio(640, 0.01, "res") == 20 and adapters.res_groups(640, 20) == 1
+    assert adapters.res_groups(320, 320) == 32 and adapters.res_groups(64, 32) == 16
+    assert adapters.rank_for_ratio(48, 0.5, "res") == 24 and adapters.res_groups(48, 24) == 24   # 32 ∤ 48: per channel
     assert adapters.rank_for_ratio(1280 * 4, 0.5, "ff") == 2560
     assert adapters.norm_groups_for(80) == 20 and adapters.norm_groups_for(7) == 7
 
@@ -65,7 +71,7 @@ def _res(r=8, c=16):
 
 
 @pytest.mark.parametrize("tensors,meta,message", [
-    (_ff(), {**GOOD_META, "sdslim.version": "2"}, "sdslim.version '2' is not supported"),
+    (_ff(), {**GOOD_META, "sdslim.version": "3"}, "sdslim.version '3' is not supported"),
     (_ff(), {k: v for k, v in GOOD_META.items() if k != "sdslim.format"}, "missing metadata 'sdslim.format'"),
     (_ff(), {**GOOD_META, "sdslim.format": "lora"}, "sdslim.format is 'lora'"),
     (_ff(), {**GOOD_META, "sdslim.family": "flux"}, "unknown family 'flux'"),

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sdslim_core import adapters, evaluate, layout
+from sdslim_core import adapters, evaluate, fidelity, layout
 from sdslim_core.safetensors_io import save_file_atomic
 from sdslim_core.tiny import DEFAULT_PATH
 
@@ -66,12 +66,12 @@ def test_broken_adapter_is_detected(weights, tmp_path):
 def test_metric_functions_against_hand_values():
     a = torch.zeros(1, 3, 16, 16)
     b = a + 0.1
-    assert evaluate.psnr(b, a, peak=1.0) == pytest.approx(20.0)
-    assert evaluate.psnr(a, a) == math.inf
-    assert evaluate.ssim(a + 0.5, a + 0.5) == pytest.approx(1.0)
-    assert evaluate.cosine(torch.tensor([1.0, 0]), torch.tensor([0, 2.0])) == 0
-    assert evaluate.rel_error(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 4.0])) == pytest.approx(0.75)
-    assert json.loads(json.dumps(evaluate.jsonable({"x": math.inf, "y": [1.5, -math.inf]}))) == \
+    assert fidelity.psnr(b, a, peak=1.0) == pytest.approx(20.0)
+    assert fidelity.psnr(a, a) == math.inf
+    assert fidelity.ssim(a + 0.5, a + 0.5) == pytest.approx(1.0)
+    assert fidelity.cosine(torch.tensor([1.0, 0]), torch.tensor([0, 2.0])) == 0
+    assert fidelity.rel_error(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 4.0])) == pytest.approx(0.75)
+    assert json.loads(json.dumps(fidelity.jsonable({"x": math.inf, "y": [1.5, -math.inf]}))) == \
         {"x": "inf", "y": [1.5, "-inf"]}
 
 

@@ -1,7 +1,8 @@
 """Train the tiny SD1.5-structure teacher (VAE, then UNet + text encoder) and write ``tiny_sd15.safetensors``.
 
-Stage 1 trains a small diffusers ``AutoencoderKL`` (4× downsampling, 4 latent channels) on the procedural shapes;
-stage 2 trains the UNet (SD1.5 block structure: 3 levels, 2 ResBlocks each, cross-attention on the first two,
+Stage 1 trains a small diffusers ``AutoencoderKL`` (4× downsampling, 4 latent channels) on the procedural shapes
+(``--reuse-from NAME`` instead takes the VAE and the text encoder of an already shipped teacher, frozen, so two
+teachers share one latent space and one prompt encoding); stage 2 trains the UNet (SD1.5 block structure: 3 levels, 2 ResBlocks each, cross-attention on the first two,
 GEGLU FeedForward, conv proj_in, context 768) jointly with the tiny text encoder on eps prediction under SD's
 scaled-linear schedule, with 10% empty captions for classifier-free guidance, min-SNR loss weighting and offset
 noise (see ``tiny_common.diffusion_loss``). The shipped weights are the EMA, stored fp16 in the LDM single-file
@@ -80,15 +81,19 @@ def train_vae(args, curves):
     return vae
 
 
-def train_unet(args, vae, curves):
+def train_unet(args, vae, curves, reused=None):
+    """UNet (+ text encoder unless ``reused`` gives a frozen (tokenizer, text encoder) pair) on eps prediction."""
     cfg = unet_config(args.width)
     unet = build_diffusers_unet(cfg, sample_size=tiny_data.SIZE // 4)
-    words = ["a", "on", "background", *tiny_data.COLOURS, *tiny_data.SHAPES]
-    tokenizer = tiny_text.Tokenizer(words, max_len=12)
-    text = tiny_text.TinyTextEncoder(len(tokenizer.vocab), **{k: v for k, v in text_config(tokenizer).items()
-                                                              if k not in ("vocab",)})
+    if reused is None:
+        words = ["a", "on", "background", *tiny_data.COLOURS, *tiny_data.SHAPES]
+        tokenizer = tiny_text.Tokenizer(words, max_len=12)
+        text = tiny_text.TinyTextEncoder(len(tokenizer.vocab), **{k: v for k, v in text_config(tokenizer).items()
+                                                                  if k not in ("vocab",)})
+    else:
+        tokenizer, text = reused
     schedule = sampling.Schedule()
-    params = list(unet.parameters()) + list(text.parameters())
+    params = list(unet.parameters()) + (list(text.parameters()) if reused is None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     ema_unet, ema_text = EMA(unet, args.ema), EMA(text, args.ema)
     scale = vae.config.scaling_factor
@@ -100,17 +105,19 @@ def train_unet(args, vae, curves):
         batch = tiny_data.make_batch(args.seed + 2, step, args.batch)
         with torch.no_grad():
             x0 = vae.encode(batch.images * 2 - 1).latent_dist.mean * scale
-        context = text(tokenizer(drop_captions(batch.captions, args.uncond_prob, g)))
+        with torch.set_grad_enabled(reused is None):
+            context = text(tokenizer(drop_captions(batch.captions, args.uncond_prob, g)))
         loss = diffusion_loss(fn, x0, context, schedule, g, args.min_snr, args.offset_noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         ema_unet.update(unet, step)
-        ema_text.update(text, step)
+        if reused is None:
+            ema_text.update(text, step)
         curves["UNet eps MSE (min-SNR weighted)"].append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-    return cfg, ema_unet.module, ema_text.module, tokenizer, schedule
+    return cfg, ema_unet.module, ema_text.module if reused is None else text, tokenizer, schedule
 
 
 def save(args, cfg, unet, text, tokenizer, vae, schedule, seconds, final_loss):
@@ -134,7 +141,7 @@ def save(args, cfg, unet, text, tokenizer, vae, schedule, seconds, final_loss):
         "sdslim.tiny.train": json.dumps({"seconds": round(seconds), "final_loss": final_loss,
                                          "dataset": "sdslim_core.tiny_data (procedural shapes)"}),
     }
-    path = ASSETS / "tiny_sd15.safetensors"
+    path = tiny.TEACHERS[args.name].model
     save_file_atomic(tensors, path, metadata)
     return path, command
 
@@ -144,8 +151,8 @@ def render_grid(path, args):
     cols = 5
     rows = [pipe.generate([c] * cols, seed=args.seed, steps=25, guidance=args.grid_guidance) for c in GRID_CAPTIONS]
     image_grid(torch.stack(rows), GRID_CAPTIONS, [f"seed {args.seed} #{j}" for j in range(cols)],
-               IMG / "tiny_teacher_samples.png",
-               f"tiny teacher ({path.name}), DDIM 25 steps, CFG {args.grid_guidance}")
+               IMG / f"{args.name}_teacher_samples.png",
+               f"{args.name} teacher ({path.name}), DDIM 25 steps, CFG {args.grid_guidance}")
 
 
 def main():
@@ -165,23 +172,38 @@ def main():
     p.add_argument("--offset-noise", type=float, default=0.5)
     p.add_argument("--uncond-prob", type=float, default=0.1)
     p.add_argument("--grid-guidance", type=float, default=4.0)
+    p.add_argument("--name", default="tiny", choices=sorted(tiny.TEACHERS), help="which shipped teacher to write")
+    p.add_argument("--reuse-from", default="", choices=["", *sorted(tiny.TEACHERS)],
+                   help="take the VAE and text encoder (frozen) from this shipped teacher instead of training them")
     args = p.parse_args()
     setup(args.seed, args.threads)
-    curves = {"VAE reconstruction MSE": [], "UNet eps MSE (min-SNR weighted)": []}
+    curves = {"UNet eps MSE (min-SNR weighted)": []}
     start = time.time()
-    vae = train_vae(args, curves)
-    cfg, unet, text, tokenizer, schedule = train_unet(args, vae, curves)
+    if args.reuse_from:
+        donor = tiny.load_tiny_pipeline(tiny.TEACHERS[args.reuse_from].model)
+        vae, reused = donor.vae, (donor.tokenizer, donor.text_encoder)
+    else:
+        curves["VAE reconstruction MSE"] = []
+        vae, reused = train_vae(args, curves), None
+    cfg, unet, text, tokenizer, schedule = train_unet(args, vae, curves, reused)
     seconds = time.time() - start
-    tail, vae_tail = curves["UNet eps MSE (min-SNR weighted)"][-100:], curves["VAE reconstruction MSE"][-50:]
-    final = {"unet_eps_mse_last100": round(sum(tail) / len(tail), 5),
-             "vae_mse_last50": round(sum(vae_tail) / len(vae_tail), 5)}
+    tail = curves["UNet eps MSE (min-SNR weighted)"][-100:]
+    final = {"unet_eps_mse_last100": round(sum(tail) / len(tail), 5)}
+    if not args.reuse_from:
+        vae_tail = curves["VAE reconstruction MSE"][-50:]
+        final["vae_mse_last50"] = round(sum(vae_tail) / len(vae_tail), 5)
     path, command = save(args, cfg, unet, text, tokenizer, vae, schedule, seconds, final)
-    plot_losses(curves, IMG / "tiny_teacher_loss.png", f"tiny teacher training ({seconds:.0f} s)")
+    plot_losses(curves, IMG / f"{args.name}_teacher_loss.png", f"{args.name} teacher training ({seconds:.0f} s)")
     render_grid(path, args)
-    record_asset(path, {"what": TEACHER_WHAT,
+    what = TEACHER_WHAT if args.name == "tiny" else (
+        f"Wider SD1.5-structure teacher (base width {args.width}: blocks {args.width}-{2 * args.width} wide, "
+        f"GEGLU {4 * args.width}-{8 * args.width}), UNet trained here, VAE and text encoder reused frozen from "
+        f"{args.reuse_from or 'its own training'}; same file layout. Load with "
+        f"`sdslim_core.tiny.load_tiny_pipeline(tiny.TEACHERS['{args.name}'].model)`.")
+    record_asset(path, {"what": what,
                         "command": command, "train_seconds": round(seconds), "threads": args.threads,
-                        "final_loss": final, "loss_curve": "docs/img/tiny_teacher_loss.png",
-                        "samples": "docs/img/tiny_teacher_samples.png"})
+                        "final_loss": final, "loss_curve": f"docs/img/{args.name}_teacher_loss.png",
+                        "samples": f"docs/img/{args.name}_teacher_samples.png"})
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) in {seconds:.0f} s; final {final}")
 
 

@@ -6,7 +6,8 @@ import json
 import re
 
 # Only these fields change what a run computes; a --resume refuses a work dir made with other values.
-_RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "budget_bytes_per_param", "stage1_steps",
+_RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform", "allocation", "alloc_inputs",
+               "budget_bytes_per_param", "stage1_steps",
                "stage2_steps", "ff_batch_tokens", "res_batch", "stage2_batch", "lr1", "lr2", "p0", "p_full_at",
                "feature_loss", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance", "sampler", "latent_size",
                "n_noised", "ff_inputs", "tokens_per_sample", "ff_tokens", "res_maps", "eval_fraction", "init_methods",
@@ -21,12 +22,17 @@ class TrainConfig:
     ``stage2_steps`` counts full-UNet optimizer steps. ``steps`` (CLI ``--steps``) sets both.
     """
     # ---- ranks (one of: ratio / per-kind overrides / budget) ----
-    ratio: float | None = None             # uniform width fraction; 0.5 when nothing else is given
+    ratio: float | None = None             # the parameter count of uniform width fraction R (0.5 when nothing else
+                                           # is given), spent per site by measured error unless ``uniform``
     ff_ratio: float | None = None
     ff_rank: int | None = None
     res_ratio: float | None = None
     budget: str | float | None = None      # "600M" (UNet params) or "1.2GB" (weight bytes)
     budget_bytes_per_param: int = 2        # fp16 weights, for a byte budget
+    uniform: bool = False                  # --ratio R: every site at R instead of R's parameters allocated
+    allocation: str = "e2e"                # error a budget is spent on: "e2e" = whole-UNet eps error with the site
+                                           # slimmed alone (held-out inputs), "site" = the site's own output error
+    alloc_inputs: int = 32                 # held-out UNet inputs of each e2e measurement
     rank_grid: tuple = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
     # ---- calibration ----
     n_trajectories: int = 16               # teacher sampling runs (noise seeds × conditionings)
@@ -43,7 +49,7 @@ class TrainConfig:
     calib_dtype: str = "auto"              # storage dtype of captured activations: auto|float32|float16
     ram_budget_gb: float = 2.0             # captured activations are flushed to disk shards beyond this
     # ---- initialisation ----
-    init_methods: tuple = ("act_select", "act_pca", "weight_svd", "select")
+    init_methods: tuple = ("obs", "act_select", "act_pca", "weight_svd", "select")
     # ---- stage 1 (block-local) ----
     stage1_steps: int = 400
     ff_batch_tokens: int = 1024
@@ -81,6 +87,10 @@ class TrainConfig:
                                                                    self.res_ratio)):
             raise ValueError("--budget allocates ranks itself: give it without --ratio/--ff-rank/--ff-ratio/"
                              "--res-ratio")
+        if self.uniform and (self.budget is not None or self.ratio is None):
+            raise ValueError("--uniform applies to --ratio (a budget is always allocated)")
+        if self.allocation not in ("e2e", "site"):
+            raise ValueError(f"allocation must be e2e or site, got {self.allocation!r}")
         if self.ff_rank is not None and self.ff_ratio is not None:
             raise ValueError("give --ff-rank or --ff-ratio, not both")
         for name in ("ratio", "ff_ratio", "res_ratio"):
@@ -111,6 +121,13 @@ class TrainConfig:
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be ≥ 1")
 
+    def allocates(self) -> bool:
+        """True when ranks come from measured error curves (a budget, or ``--ratio`` without ``--uniform``)."""
+        if self.budget is not None:
+            return True
+        explicit = any(v is not None for v in (self.ff_ratio, self.ff_rank, self.res_ratio))
+        return self.ratio is not None and not self.uniform and not explicit
+
     def with_steps(self, steps: int) -> "TrainConfig":
         return dataclasses.replace(self, stage1_steps=steps, stage2_steps=steps)
 
@@ -127,7 +144,7 @@ class TrainConfig:
             self.log(text)
 
 
-INIT_METHODS = ("act_select", "act_pca", "weight_svd", "select", "random")
+INIT_METHODS = ("obs", "act_select", "act_pca", "weight_svd", "select", "random")
 
 _PARAM_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}
 _BYTE_SUFFIX = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,

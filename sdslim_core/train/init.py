@@ -2,6 +2,13 @@
 
 Methods (rank r, width m/c; each one gives the site's adapter tensors):
 
+- ``obs``: correlation-aware selection (structured Optimal Brain Surgeon): hidden units (FF) or whole ``norm2``
+  groups (Res) are removed greedily, each time the one whose removal raises the least-squares reconstruction error
+  of the next layer's output least, accounting for what the kept units can still predict (Schur complement of the
+  activation Gram matrix, weighted by the next layer: W_oᵀW_o, or conv2's Gram over its taps); U is the
+  least-squares map from the kept units back to all of them. FF fits an intercept c (``up_bias``, folded exactly
+  into the ``net.2`` bias). Res keeps whole groups with a GroupNorm over them, so the kept channels are normalised
+  exactly as in the teacher and z = a_S holds exactly.
 - ``act_select``: activation-aware unit/channel selection. Importance of hidden unit j = ‖column j of the
   following weight (W_o, or conv2 over its input channel)‖ · rms of that unit's activation; the r most
   important are selected (A_v = A_g = D = selection) and U is the least-squares map from the selected
@@ -58,6 +65,50 @@ def _top(score: torch.Tensor, r: int) -> torch.Tensor:
     return torch.sort(torch.topk(score, r).indices).values
 
 
+def obs_order(cov: torch.Tensor, weight_gram: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """Blocks of ``group`` consecutive units in the order greedy backward OBS removes them (all but the last).
+
+    Minimises, one removal at a time, tr(M (Σ − Σ_{:,S} Σ_SS⁻¹ Σ_{S,:})) over the kept set S, M = ``weight_gram``
+    (the next layer's Gram), Σ = ``cov``: removing block B costs tr(C_Bᵀ M C_B (Σ_S⁻¹)_BB⁻¹), C the current
+    least-squares map from the kept units to all units; C and Σ_S⁻¹ are updated after each removal (removed units
+    become zero). Greedy sets are nested, so one order serves every rank (:func:`obs_keep`)."""
+    m = cov.shape[0]
+    if m % group:
+        raise ValueError(f"obs_order: {m} units do not split into blocks of {group}")
+    eye = torch.eye(m, dtype=cov.dtype, device=cov.device)
+    h_inv = torch.linalg.inv(cov + _RIDGE * float(cov.diagonal().mean().clamp_min(1e-30)) * eye)
+    c = eye.clone()                                   # m × m: columns of removed units become zero
+    cm = weight_gram @ c                              # M C (M symmetric)
+    n_blocks = m // group
+    alive = torch.ones(n_blocks, dtype=torch.bool, device=cov.device)
+    blocks = torch.arange(m, device=cov.device).view(n_blocks, group)
+    order = []
+    for _ in range(n_blocks - 1):
+        gi = h_inv.view(n_blocks, group, n_blocks, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1)   # B × g × g
+        cbmc = torch.einsum("mbi,mbj->bij", c.view(m, n_blocks, group), cm.view(m, n_blocks, group))
+        cost = torch.linalg.solve(gi[alive], cbmc[alive]).diagonal(dim1=1, dim2=2).sum(1)
+        j = int(torch.nonzero(alive)[int(torch.argmin(cost))])
+        idx = blocks[j]
+        b = torch.linalg.inv(h_inv[idx][:, idx])
+        row = h_inv[idx]                               # g × m
+        c = c - c[:, idx] @ b @ row
+        cm = cm - cm[:, idx] @ b @ row
+        h_inv = h_inv - row.T @ b @ row
+        alive[j] = False
+        order.append(j)
+    return torch.tensor(order, dtype=torch.long)
+
+
+def obs_keep(order: torch.Tensor, m: int, r: int, group: int = 1) -> torch.Tensor:
+    """Sorted indices of the ``r`` units that remain after the first removals of an :func:`obs_order`."""
+    n_blocks = m // group
+    if r % group or not 0 < r <= m:
+        raise ValueError(f"obs_keep: rank {r} is not a whole number of {group}-unit blocks of {m}")
+    gone = set(order[:n_blocks - r // group].tolist())
+    kept = [b for b in range(n_blocks) if b not in gone]
+    return (torch.tensor(kept)[:, None] * group + torch.arange(group)).flatten()
+
+
 class FFStats:
     """Fit-split statistics of one FF site: value/gate pre-activations and the hidden activations h."""
 
@@ -78,9 +129,13 @@ class FFStats:
         self.v, self.g = torch.cat(vs), torch.cat(gs)
         self.n = self.v.shape[0]
         self.cov = torch.zeros(self.m, self.m, dtype=self.ladt, device=self.ladev)
+        self.mean = torch.zeros(self.m, dtype=self.ladt, device=self.ladev)
         for h in self._hidden():
             self.cov += h.T @ h
+            self.mean += h.sum(0)
         self.cov /= self.n
+        self.mean /= self.n
+        self._orders = {}
 
     def _vg(self, i: int, chunk: int = 4096):
         return (self.v[i:i + chunk].to(self.ladev, self.ladt), self.g[i:i + chunk].to(self.ladev, self.ladt))
@@ -96,6 +151,23 @@ class FFStats:
         sel = _selection(idx, self.m, self.cov)
         up = _ls(self.cov[:, idx] * self.n, self.cov[idx][:, idx] * self.n, self.n, prior=sel.T)
         return {"down_value": sel, "down_gate": sel.clone(), "up": up}
+
+    def obs(self, r: int, intercept: bool = True, greedy: bool = True) -> dict:
+        """OBS selection (``greedy=False``: today's independent top-r score) and least squares for U, with the
+        intercept c = μ − U μ_S when ``intercept`` (U then fits the centred activations)."""
+        cov = self.cov - torch.outer(self.mean, self.mean) if intercept else self.cov
+        if greedy:
+            if intercept not in self._orders:
+                self._orders[intercept] = obs_order(cov, self.w_o.T @ self.w_o)
+            idx = obs_keep(self._orders[intercept], self.m, r).to(cov.device)
+        else:
+            idx = _top(self.w_o.norm(dim=0) * self.cov.diagonal().clamp_min(0).sqrt(), r)
+        sel = _selection(idx, self.m, self.cov)
+        up = _ls(cov[:, idx] * self.n, cov[idx][:, idx] * self.n, self.n, prior=sel.T)
+        out = {"down_value": sel, "down_gate": sel.clone(), "up": up}
+        if intercept:
+            out["up_bias"] = self.mean - up @ self.mean[idx]
+        return out
 
     def act_pca(self, r: int) -> dict:
         _, evecs = torch.linalg.eigh(self.cov)
@@ -148,6 +220,7 @@ class ResStats:
         self.cov_a /= n
         self.mean_h /= n
         self.cov_h = self.cov_h / n - torch.outer(self.mean_h, self.mean_h)
+        self._orders = {}
 
     def _passes(self):
         """(h1, a) per fit batch as [pixels, c] (linear-algebra device/dtype), captured with hooks on norm2 and
@@ -185,6 +258,24 @@ class ResStats:
             cross += a.T @ z
         return _ls(cross, gram, self.n, prior=prior)
 
+    def obs(self, r: int, greedy: bool = True) -> dict:
+        """Whole ``norm2`` groups kept by block OBS (``greedy=False``: the groups of highest summed act_select
+        score); the bottleneck GroupNorm has one group per kept group, so z = a_S exactly and U is the least-squares
+        map from a_S to a. Falls back to single channels when ``r`` is not a whole number of groups."""
+        k = self.c // self.norm2.num_groups
+        k = k if r % k == 0 else 1
+        if greedy:
+            if k not in self._orders:
+                self._orders[k] = obs_order(self.cov_a, self.w2_cols @ self.w2_cols.T, k)
+            idx = obs_keep(self._orders[k], self.c, r, k).to(self.cov_a.device)
+        else:
+            score = (self.w2_cols.norm(dim=1) * self.cov_a.diagonal().clamp_min(0).sqrt()).pow(2)
+            chosen = _top(score.view(-1, k).sum(1), r // k)
+            idx = (chosen[:, None] * k + torch.arange(k, device=chosen.device)).flatten()
+        sel = _selection(idx, self.c, self.cov_a)
+        up = _ls(self.cov_a[:, idx] * self.n, self.cov_a[idx][:, idx] * self.n, self.n, prior=sel.T)
+        return {"down": sel, "norm.weight": self.gamma[idx], "norm.bias": self.beta[idx], "up": up}
+
     def act_select(self, r: int) -> dict:
         score = self.w2_cols.norm(dim=1) * self.cov_a.diagonal().clamp_min(0).sqrt()
         idx = _top(score, r)
@@ -210,7 +301,7 @@ class ResStats:
 
 
 def _groups(r: int, width: int) -> int:
-    return adapters.DEFAULT_GROUPS if r == width else adapters.norm_groups_for(r)
+    return adapters.res_groups(width, r)
 
 
 def random_tensors(kind: str, width: int, r: int, seed: int) -> dict:
@@ -282,6 +373,6 @@ class SiteInit:
         name = min(finite, key=lambda m: (finite[m], list(methods).index(m)))
         return cands[name], name, errors
 
-    def curve(self, ranks, method: str = "act_select") -> dict[int, float]:
-        """Error vs rank for ``method`` (the budget allocator's input)."""
+    def curve(self, ranks, method: str = "obs") -> dict[int, float]:
+        """Site error vs rank for ``method``."""
         return {r: self.error(self.tensors(method, r), r) for r in ranks}

@@ -1,7 +1,7 @@
 """Ranks per site: uniform ratios with per-kind overrides, or a parameter/byte budget allocated greedily from
 measured error-vs-rank curves (spend parameters where they cut error most per parameter).
 
-Res ranks keep GroupNorm valid: the adapter's groups are ``adapters.norm_groups_for(r)``, which always divides r.
+Res ranks are whole ``norm2`` groups and the adapter's norm keeps them (``adapters.res_groups``).
 """
 from __future__ import annotations
 
@@ -49,52 +49,55 @@ def rank_grid(site: layout.Site, fractions: Iterable[float]) -> list[int]:
     return [r for r in out if r < site.width]
 
 
-def budget_params(tc: TrainConfig) -> int:
-    return parse_budget(tc.budget, tc.budget_bytes_per_param)[2]
+def budget_params(tc: TrainConfig, site_list: Iterable[layout.Site] = (), shapes: Mapping | None = None) -> int:
+    """The whole-UNet parameter budget: ``--budget``, or the slim parameter count of uniform ``--ratio``."""
+    if tc.budget is not None:
+        return parse_budget(tc.budget, tc.budget_bytes_per_param)[2]
+    ranks = adapters.ranks_for_ratio(list(site_list), tc.ratio)
+    return slim_param_count(shapes, {s: r for s, r in ranks.items()})
 
 
 def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curves: Mapping[str, Mapping[int, float]],
              budget: int) -> tuple[dict[str, int], dict]:
-    """Greedy allocation under a whole-UNet parameter budget.
+    """Greedy allocation under a whole-UNet parameter budget, minimising the sum of the sites' costs.
 
-    ``curves[site][rank]`` is the measured relative error at init (rank = width counts as error 0). Every site
-    starts at its smallest candidate rank; then the step (site → its next candidate rank) with the largest error
-    reduction per added parameter is taken while the total stays within ``budget``. Sites that end at full width
-    are left out (not slimmed). Returns (ranks, info).
+    ``curves[site][rank]`` is the measured cost of slimming ``site`` to ``rank`` (e.g. the squared whole-UNet
+    error with that site slimmed alone, which adds up across sites; rank = width costs 0). Every site starts at
+    its smallest candidate rank; then, while the total stays within ``budget``, the move (a site to any larger
+    candidate rank) with the largest cost reduction per added parameter is taken (moves past flat stretches of a
+    curve included, so a plateau does not hide the gain behind it). Sites that end at full width are left out (not
+    slimmed). Returns (ranks, info).
     """
     site_list = [s for s in site_list if s.name in curves]
     full = _count(shapes)
     per_rank = {s.name: params_per_rank(shapes, s) for s in site_list}
-    ladder = {}
+    ladder, cost = {}, {}
     for s in site_list:
-        steps = sorted(int(r) for r in curves[s.name] if int(r) < s.width)
-        ladder[s.name] = steps + [s.width]
-    err = {s.name: {**{int(r): float(e) for r, e in curves[s.name].items()}, s.width: 0.0} for s in site_list}
-    pos = {s.name: 0 for s in site_list}
-    width = {s.name: s.width for s in site_list}
-    total = full - sum(per_rank[n] * (width[n] - ladder[n][0]) for n in pos)
+        ladder[s.name] = sorted(int(r) for r in curves[s.name] if int(r) < s.width) + [s.width]
+        cost[s.name] = {**{int(r): float(e) for r, e in curves[s.name].items()}, s.width: 0.0}
+    pos = {n: 0 for n in ladder}
+    total = full - sum(per_rank[n] * (ladder[n][-1] - ladder[n][0]) for n in ladder)
     floor = total
     if floor > budget:
         raise ValueError(f"budget {budget / 1e6:.1f}M parameters is below the smallest slim UNet this rank grid can "
                          f"make ({floor / 1e6:.1f}M; the original has {full / 1e6:.1f}M)")
     while True:
-        best, best_gain = None, -1.0
-        for n in pos:
-            if pos[n] + 1 >= len(ladder[n]):
-                continue
-            r0, r1 = ladder[n][pos[n]], ladder[n][pos[n] + 1]
-            cost = per_rank[n] * (r1 - r0)
-            if total + cost > budget:
-                continue
-            gain = (err[n][r0] - err[n][r1]) / max(cost, 1)
-            if gain > best_gain:
-                best, best_gain = n, gain
+        best, best_gain = None, 0.0
+        for n in ladder:
+            r0 = ladder[n][pos[n]]
+            for j in range(pos[n] + 1, len(ladder[n])):
+                extra = per_rank[n] * (ladder[n][j] - r0)
+                if total + extra > budget:
+                    break
+                gain = (cost[n][r0] - cost[n][ladder[n][j]]) / max(extra, 1)
+                if gain > best_gain:
+                    best, best_gain = (n, j), gain
         if best is None:
             break
-        r0, r1 = ladder[best][pos[best]], ladder[best][pos[best] + 1]
-        total += per_rank[best] * (r1 - r0)
-        pos[best] += 1
-    ranks = {n: ladder[n][pos[n]] for n in pos if ladder[n][pos[n]] < width[n]}
+        n, j = best
+        total += per_rank[n] * (ladder[n][j] - ladder[n][pos[n]])
+        pos[n] = j
+    ranks = {n: ladder[n][pos[n]] for n in pos if ladder[n][pos[n]] < ladder[n][-1]}
     info = {"budget_params": budget, "slim_params": total, "original_params": full, "min_params": floor,
-            "predicted_error_sum": sum(err[n][ladder[n][pos[n]]] for n in pos)}
+            "predicted_cost_sum": sum(cost[n][ladder[n][pos[n]]] for n in pos)}
     return ranks, info

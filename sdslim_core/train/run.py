@@ -26,7 +26,7 @@ from ..adapters import AdapterSet
 from ..safetensors_io import load_file, save_file_atomic
 from ..unet import load_diffusers_unet
 from . import calibration as cal
-from . import dist, ranks as ranks_mod, report as report_mod, stage1, stage2
+from . import dist, ranks as ranks_mod, report as report_mod, sensitivity, stage1, stage2
 from .config import TrainConfig
 from .init import SiteInit
 from .sites import SiteData, build_student, make_site_adapter
@@ -382,10 +382,15 @@ class Run:
                         self.device, self.compute_dtype, self.amp, seed=self.tc.seed), teacher_site
 
     def choose_ranks(self) -> tuple[dict, dict]:
+        """Ranks per site: explicit (``--uniform``, per-kind values) or allocated under the parameter budget
+        (``--budget``, or the parameters of uniform ``--ratio``) from measured cost-vs-rank curves."""
         tc = self.tc
-        if tc.budget is None:
+        if not tc.allocates():
             return ranks_mod.ratio_ranks(self.site_list, tc), {}
-        grids = {s.name: ranks_mod.rank_grid(s, tc.rank_grid) for s in self.site_list}
+        fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
+        grids = {s.name: ranks_mod.rank_grid(s, fractions) for s in self.site_list}
+        method = tc.init_methods[0]
+        ids = sensitivity.probe_ids(self.bank, tc.alloc_inputs, tc.seed)
         local = {}
         todo = self.owned_sites([s for s in self.site_order if grids[s]])
         self.progress.start_stage("rank curves", len(todo), unit="site")
@@ -395,7 +400,17 @@ class Run:
                 curve = {int(k): v for k, v in json.loads(path.read_text()).items()}
             else:
                 si, _ = self._site_init(site)
-                curve = si.curve(grids[site])
+                if tc.allocation == "site":
+                    curve = {r: e * e for r, e in si.curve(grids[site], method).items()}
+                else:
+                    teacher = self.teacher_on_device()
+                    curve = {}
+                    for r in grids[site]:
+                        one = AdapterSet(self.cfg.family, {site: si.tensors(method, r)},
+                                         {site: adapters_mod.res_groups(si.site.width, r)} if si.site.kind == "res"
+                                         else {})
+                        curve[r] = sensitivity.e2e_error(teacher, one, self.bank, ids, self.device,
+                                                         self.compute_dtype, self.amp) ** 2
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(curve))
                 tmp.replace(path)
@@ -404,12 +419,15 @@ class Run:
             local[site] = curve
             self.progress.skip(len(local))
         self.progress.end_stage()
+        self.release_teacher()
         curves = self.gather(local)
-        budget = ranks_mod.budget_params(tc)
+        budget = ranks_mod.budget_params(tc, self.site_list, self.shapes)
         ranks, info = ranks_mod.allocate(self.site_list, self.shapes, curves, budget)
-        info["curves"] = {s: {str(r): e for r, e in c.items()} for s, c in curves.items()}
-        self.say(f"budget {tc.budget}: {info['slim_params'] / 1e6:.1f}M of {budget / 1e6:.1f}M parameters "
-                 f"used, {len(ranks)} sites slimmed")
+        info.update(allocation=tc.allocation, method=method,
+                    curves={s: {str(r): e for r, e in c.items()} for s, c in curves.items()})
+        what = f"budget {tc.budget}" if tc.budget is not None else f"the parameters of uniform ratio {tc.ratio}"
+        self.say(f"{what}: {info['slim_params'] / 1e6:.2f}M of {budget / 1e6:.2f}M parameters used, "
+                 f"{len(ranks)} sites slimmed (allocated by {tc.allocation} error)")
         return ranks, info
 
     def initialise(self, ranks: dict) -> tuple[AdapterSet, list, dict]:
@@ -451,8 +469,7 @@ class Run:
             sites[site] = {k.split("/", 1)[1]: v for k, v in tensors.items()}
             r = ranks[site]
             if self.site_by_name[site].kind == "res":
-                groups[site] = adapters_mod.DEFAULT_GROUPS if r == self.site_by_name[site].width else \
-                    adapters_mod.norm_groups_for(r)
+                groups[site] = adapters_mod.res_groups(self.site_by_name[site].width, r)
             table.append(row)
             errs[site] = row["errors"][row["chosen"]]
         aset = AdapterSet(self.cfg.family, sites, groups)
@@ -489,7 +506,7 @@ class Run:
         fp = self.fingerprint()
         self.prepare_work_dir(fp)
         vram_info = {}
-        if tc.vram_estimate and tc.budget is None and self.topo.main:
+        if tc.vram_estimate and not tc.allocates() and self.topo.main:
             r0 = ranks_mod.ratio_ranks(self.site_list, tc)
             self.stage2_groups = self.resolve_stage2_groups(r0)
             vram_info = self.predict_vram(r0)
@@ -497,7 +514,7 @@ class Run:
         ranks, budget_info = self.choose_ranks()
         if not ranks:
             raise ValueError("no site would be slimmed with these settings (every rank is the full width)")
-        if tc.vram_estimate and tc.budget is not None and self.topo.main:
+        if tc.vram_estimate and tc.allocates() and self.topo.main:
             self.stage2_groups = self.resolve_stage2_groups(ranks)
             vram_info = self.predict_vram(ranks)
         aset_init, table, err_init = self.initialise(ranks)

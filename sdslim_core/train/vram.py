@@ -98,7 +98,7 @@ def _site_pixels(site: str, cfg, latent: int, cache: dict) -> int:
 def _empty_adapter_set(by_name: dict, ranks: dict):
     """An :class:`AdapterSet` of empty tensors (fake-tensor safe: its validation, which reads values, is skipped)."""
     import torch
-    from ..adapters import AdapterSet, norm_groups_for
+    from ..adapters import AdapterSet, res_groups
     tensors, groups = {}, {}
     for site, r in ranks.items():
         s = by_name[site]
@@ -108,7 +108,7 @@ def _empty_adapter_set(by_name: dict, ranks: dict):
         else:
             tensors[site] = {"down": torch.empty(r, s.width), "norm.weight": torch.empty(r),
                              "norm.bias": torch.empty(r), "up": torch.empty(s.width, r)}
-            groups[site] = norm_groups_for(r)
+            groups[site] = res_groups(s.width, r)
     aset = AdapterSet.__new__(AdapterSet)
     aset.family, aset.sites, aset.norm_groups, aset.metadata, aset.source = "sd15", tensors, groups, {}, "<estimate>"
     return aset

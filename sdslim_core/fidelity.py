@@ -1,0 +1,188 @@
+"""Same-seed fidelity of a candidate UNet (slim, quantised, or both) against its teacher: the ladder's columns.
+
+A :class:`Probe` fixes what every model is run on (prompts, starting noise, sampler, guidance, a decoder, an
+optional ControlNet). :func:`reference` runs the teacher once (with and without the LoRA) and records the inputs its
+own trajectories visit; :func:`compare` runs a candidate on exactly those and returns:
+
+- ``latent_psnr_db`` / ``image_psnr_db`` / ``image_ssim``: sampled latents and decoded images against the teacher's,
+  same seeds and prompts (peak = the teacher latents' range; images in [0, 1]);
+- ``eps_rel_error``: ‖ε_cand − ε_teacher‖ / ‖ε_teacher‖ on the teacher's trajectory inputs (both CFG halves),
+  and ``guided_eps_rel_error`` on the classifier-free-guided ε the sampler actually steps with;
+- ``lora_effect_cosine``: cos(ε_cand+LoRA − ε_cand, ε_teacher+LoRA − ε_teacher) on the same inputs;
+- ``controlnet_effect_cosine``: the same for the ControlNet's residuals (the same residuals feed both models: a
+  ControlNet only reads the latent, timestep and prompt, never the UNet it steers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import sampling
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return 0.0 if num == 0 else (num / den if den else math.inf)
+
+
+def psnr(x: torch.Tensor, ref: torch.Tensor, peak: float | None = None) -> float:
+    """PSNR in dB of ``x`` against ``ref``; ``peak`` defaults to the range of ``ref``; inf when identical."""
+    x, ref = x.double(), ref.double()
+    mse = (x - ref).pow(2).mean().item()
+    peak = (ref.max() - ref.min()).item() if peak is None else peak
+    if mse == 0:
+        return math.inf
+    return 10 * math.log10(peak * peak / mse) if peak > 0 else -math.inf
+
+
+def ssim(x: torch.Tensor, ref: torch.Tensor, window: int = 11, sigma: float = 1.5) -> float:
+    """Mean SSIM (Wang et al. 2004; Gaussian window, images in [0, 1], per channel, valid region)."""
+    x, ref = x.double(), ref.double()
+    if x.ndim == 3:
+        x, ref = x[None], ref[None]
+    window = min(window, x.shape[-1], x.shape[-2])
+    coords = torch.arange(window, dtype=torch.float64) - (window - 1) / 2
+    g = torch.exp(-coords ** 2 / (2 * sigma ** 2))
+    g = g / g.sum()
+    kernel = (g[:, None] * g[None, :]).expand(x.shape[1], 1, window, window)
+
+    def blur(t):
+        return torch.nn.functional.conv2d(t, kernel, groups=x.shape[1])
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    mu_x, mu_y = blur(x), blur(ref)
+    sxx = blur(x * x) - mu_x ** 2
+    syy = blur(ref * ref) - mu_y ** 2
+    sxy = blur(x * ref) - mu_x * mu_y
+    m = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x ** 2 + mu_y ** 2 + c1) * (sxx + syy + c2))
+    return m.mean().item()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    den = (a.norm() * b.norm()).item()
+    return (a @ b).item() / den if den else math.nan
+
+
+def jsonable(value):
+    """Replace non-finite floats by strings (``"inf"``, ``"-inf"``, ``"nan"``) so the output is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- probe
+
+@dataclasses.dataclass
+class Probe:
+    """What teacher and candidates are run on. ``fn_of(module)`` adapts a UNet to ``fn(x, t, context,
+    **residuals)``; ``control(x, t, context)`` returns a ControlNet's residual kwargs (optional); ``decode`` turns
+    latents into images in [0, 1] (optional)."""
+    fn_of: Callable[[nn.Module], Callable]
+    context: torch.Tensor
+    uncond: torch.Tensor | None
+    noise: torch.Tensor
+    schedule: sampling.Schedule = dataclasses.field(default_factory=sampling.Schedule)
+    steps: int = 20
+    method: str = "ddim"
+    guidance: float = 4.0
+    decode: Callable | None = None
+    control: Callable | None = None
+    eps_points: int = 5
+
+    def sample(self, fn, record: list | None = None) -> torch.Tensor:
+        def step(x, t, context, **res):
+            out = fn(x, t, context, **res)
+            if record is not None:
+                record.append((x, t, context))
+            return out
+        return sampling.sample(step, self.noise, self.context, self.uncond, schedule=self.schedule,
+                               steps=self.steps, method=self.method, guidance=self.guidance)
+
+
+@dataclasses.dataclass
+class Reference:
+    """The teacher's results on a probe, computed once and compared against every candidate."""
+    latents: torch.Tensor
+    images: torch.Tensor | None
+    inputs: list                       # (x, t, context) along the teacher's trajectory
+    eps: list
+    eps_lora: list | None
+    residuals: list | None             # the ControlNet's residual kwargs per input
+    eps_control: list | None
+
+
+def _picks(n: int, k: int) -> list[int]:
+    """``k`` evenly spaced indices of ``n`` (first and last included)."""
+    k = min(k, n)
+    return sorted({round(i * (n - 1) / max(1, k - 1)) for i in range(k)})
+
+
+@torch.no_grad()
+def reference(probe: Probe, teacher: nn.Module, teacher_lora: nn.Module | None = None) -> Reference:
+    fn = probe.fn_of(teacher)
+    calls: list = []
+    latents = probe.sample(fn, calls)
+    inputs = [calls[i] for i in _picks(len(calls), probe.eps_points)]
+    eps = [fn(*inp) for inp in inputs]
+    eps_lora = None
+    if teacher_lora is not None:
+        fl = probe.fn_of(teacher_lora)
+        eps_lora = [fl(*inp) for inp in inputs]
+    residuals = eps_control = None
+    if probe.control is not None:
+        residuals = [probe.control(*inp) for inp in inputs]
+        eps_control = [fn(*inp, **res) for inp, res in zip(inputs, residuals)]
+    images = probe.decode(latents) if probe.decode is not None else None
+    return Reference(latents, images, inputs, eps, eps_lora, residuals, eps_control)
+
+
+def _guided(eps: torch.Tensor, guidance: float) -> torch.Tensor:
+    if guidance == 1.0 or eps.shape[0] % 2:
+        return eps
+    e_u, e_c = eps.chunk(2)
+    return e_u + guidance * (e_c - e_u)
+
+
+@torch.no_grad()
+def compare(probe: Probe, ref: Reference, candidate: nn.Module, candidate_lora: nn.Module | None = None) -> dict:
+    """The ladder's fidelity columns of ``candidate`` (and ``candidate_lora``, the candidate with the same LoRA the
+    reference was given) against the teacher's :class:`Reference`."""
+    fn = probe.fn_of(candidate)
+    latents = probe.sample(fn)
+    eps = [fn(*inp) for inp in ref.inputs]
+    guided = probe.uncond is not None and probe.guidance != 1.0
+    out = {
+        "latent_psnr_db": psnr(latents, ref.latents),
+        "eps_rel_error": rel_error(torch.cat(eps), torch.cat(ref.eps)),
+        "guided_eps_rel_error": rel_error(torch.cat([_guided(e, probe.guidance) for e in eps]),
+                                          torch.cat([_guided(e, probe.guidance) for e in ref.eps]))
+        if guided else None,
+    }
+    if ref.images is not None:
+        images = probe.decode(latents)
+        out["image_psnr_db"] = psnr(images, ref.images, peak=1.0)
+        out["image_ssim"] = ssim(images, ref.images)
+        out["images"] = images
+    if candidate_lora is not None and ref.eps_lora is not None:
+        fl = probe.fn_of(candidate_lora)
+        d_c = torch.cat([fl(*inp) - e for inp, e in zip(ref.inputs, eps)])
+        d_t = torch.cat([el - e for el, e in zip(ref.eps_lora, ref.eps)])
+        out["lora_effect_cosine"] = cosine(d_c, d_t)
+    if ref.residuals is not None:
+        d_c = torch.cat([fn(*inp, **res) - e for inp, res, e in zip(ref.inputs, ref.residuals, eps)])
+        d_t = torch.cat([ec - e for ec, e in zip(ref.eps_control, ref.eps)])
+        out["controlnet_effect_cosine"] = cosine(d_c, d_t)
+    return out

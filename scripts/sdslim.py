@@ -161,7 +161,8 @@ def slim_for_sampling(p, job):
         text = ", ".join(f"{name} changes norm2 of {n} folded ResBlocks" for name, n in hits.items())
         p.extra_generation_params[params.WARNING_KEY] = f"{text}; norm2 is replaced by the adapter, that part is dropped"
         _log(p.extra_generation_params[params.WARNING_KEY])
-    _log(params.fold_text(report.sites, report.layers, report.bytes_saved, None if report.cached else report.seconds))
+    seconds = None if report.cached else report.seconds
+    _log(params.fold_text(report.sites, report.layers, report.bytes_saved, seconds))
 
 
 def _functional_unmerge(networks):

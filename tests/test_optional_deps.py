@@ -71,9 +71,9 @@ def test_slim_with_a_loha_without_lycoris(monkeypatch, tmp_path, capsys):
     out_f, in_f = w[q + ".weight"].shape
     g = torch.Generator().manual_seed(0)
     n = "lora_unet_" + q.replace(".", "_")
-    save_file_atomic({f"{n}.hada_w1_a": torch.randn(out_f, 2, generator=g), f"{n}.hada_w1_b": torch.randn(2, in_f, generator=g),
-                      f"{n}.hada_w2_a": torch.randn(out_f, 2, generator=g), f"{n}.hada_w2_b": torch.randn(2, in_f, generator=g),
-                      f"{n}.alpha": torch.tensor(2.0)}, tmp_path / "loha.safetensors")
+    loha = {f"{n}.hada_w{i}_{ab}": torch.randn(*((out_f, 2) if ab == "a" else (2, in_f)), generator=g)
+            for i in (1, 2) for ab in "ab"}
+    save_file_atomic({**loha, f"{n}.alpha": torch.tensor(2.0)}, tmp_path / "loha.safetensors")
     block(monkeypatch, "lycoris")
     rc, _, err = run(capsys, "slim", "--ckpt", tmp_path / "m.safetensors", "--adapters", tmp_path / "a.safetensors",
                      "--lora", tmp_path / "loha.safetensors", "--out", tmp_path / "slim.safetensors")

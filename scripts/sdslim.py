@@ -1,10 +1,11 @@
 """SD Slim for AUTOMATIC1111 stable-diffusion-webui (v1.10+; fallback hooks for older versions).
 
 Right before each sampler pass, the LoRA merge the Lora extension would do lazily on the next forward is forced
-on the layers the fold reads, the adapters are folded into those merged weights, and fresh slim layers are
-swapped in (``sdslim_core.a1111_swap``); the original layers are kept and put back when SD Slim is off, when the
-LoRA selection changes (then it folds again), when weights are loaded into the UNet, when another model is
-loaded, and after any error. The logic lives in ``sdslim_core``; this file is the webui shell. Forge is refused.
+on the layers the fold reads (in its functional mode, "Lora: use old method", each is un-merged right after, as
+its own forward does), the adapters are folded into those merged weights, and fresh slim layers are swapped in
+(``sdslim_core.a1111_swap``); the original layers are kept and put back when SD Slim is off, when the LoRA
+selection changes (then it folds again), when weights are loaded into the UNet, when another model is loaded,
+and after any error. The logic lives in ``sdslim_core``; this file is the webui shell. Forge is refused.
 """
 import importlib.util
 import os
@@ -133,6 +134,8 @@ def slim_for_sampling(p, job):
     networks = sys.modules.get("networks")          # the built-in Lora extension, if loaded
     loaded = list(getattr(networks, "loaded_networks", None) or [])
     merge = getattr(networks, "network_apply_weights", None)
+    unmerge = _functional_unmerge(networks) if merge is not None and getattr(shared.opts, "lora_functional", False) \
+        else None
     try:
         path = params.adapter_path(ADAPTER_DIR, job.adapter)
         aset = _State.files.selected(path, job.strength)
@@ -146,7 +149,8 @@ def slim_for_sampling(p, job):
         key = (_model_key(sd_model), _State.files.fingerprint(path), job.strength, params.lora_key(loaded))
         norms = [_State.live.original(pth) for pth, role in _State.live.layer_paths(aset).items() if role == "norm2"]
         hits = params.norm2_lora_hits((getattr(m, "network_layer_name", None) for m in norms), loaded)
-        report = _State.live.apply(key, aset, merge=merge, offload=_offload(sd_model), compute_device=devices.device)
+        report = _State.live.apply(key, aset, merge=merge, offload=_offload(sd_model), compute_device=devices.device,
+                                   unmerge=unmerge)
     except Exception as err:  # noqa: BLE001 - a failed fold must never break the generation
         restore_original("error", forget=False)
         return _fail(p, f"{type(err).__name__}: {err}", exc=not isinstance(err, (ValueError, OSError, RuntimeError)))
@@ -157,9 +161,18 @@ def slim_for_sampling(p, job):
         text = ", ".join(f"{name} changes norm2 of {n} folded ResBlocks" for name, n in hits.items())
         p.extra_generation_params[params.WARNING_KEY] = f"{text}; norm2 is replaced by the adapter, that part is dropped"
         _log(p.extra_generation_params[params.WARNING_KEY])
-    if not report.cached:
-        _log(f"folded {report.sites} sites ({report.layers} layers, {params.size_text(report.bytes_saved)} saved) "
-             f"in {report.seconds:.1f} s")
+    seconds = None if report.cached else report.seconds
+    _log(params.fold_text(report.sites, report.layers, report.bytes_saved, seconds))
+
+
+def _functional_unmerge(networks):
+    """What the Lora extension's functional forward does to a layer before running it: the original weights back
+    from its backup, the merge state forgotten. Without it a layer the fold merged would stay merged while no
+    network is loaded (that forward then runs the layer as it is)."""
+    def unmerge(layer):
+        networks.network_restore_weights_from_backup(layer)
+        networks.network_reset_cached_weight(layer)
+    return unmerge
 
 
 def _start_measure():

@@ -159,6 +159,12 @@ def size_text(n: int | None) -> str:
     return f"{n / _GIB:.2f} GiB" if abs(n) >= _GIB else f"{n / 2 ** 20:.1f} MiB"
 
 
+def fold_text(sites: int, layers: int, saved_bytes: int, seconds: float | None) -> str:
+    """The console line of one sampler pass: a fold that took ``seconds``, or (None) cached slim layers."""
+    what = f"{sites} sites ({layers} layers, {size_text(saved_bytes)} saved)"
+    return f"cached: {what}, no fold" if seconds is None else f"folded {what} in {seconds:.1f} s"
+
+
 def vram_text(peak_allocated: int | None, peak_reserved: int | None, ram_rss: int | None,
               unet_bytes: int | None, saved_bytes: int | None, originals: str | None) -> str:
     """The ``SD Slim VRAM`` infotext value: CUDA peaks (RAM without CUDA) and the UNet weight change.

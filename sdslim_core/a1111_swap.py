@@ -5,7 +5,8 @@ whole UNet. :class:`LiveSlim` swaps only the layers a fold changes (GEGLU ``proj
 ``conv1``/``emb``/``norm2``/``conv2``) for fresh slim layers built by :func:`swap.build_slim_module`, keeps the
 originals (optionally on the CPU) and puts the very same objects back on :meth:`LiveSlim.restore`. Before the
 fold it calls the host's ``merge(layer)`` on every layer it reads, so lazily merged LoRA weights are what gets
-folded. Folded layers are cached by a host-chosen key. Loading a state dict into the UNet restores first (a
+folded, and then the host's ``unmerge(layer)`` where the host keeps its layers unmerged (a LoRA added in the
+forward). Folded layers are cached by a host-chosen key. Loading a state dict into the UNet restores first (a
 load into slim shapes would fail) and drops the cache (the folds were made from the old weights).
 Pure torch: no webui import.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable, Hashable
 
@@ -87,6 +88,18 @@ def _skeleton(layers: dict[str, nn.Module]) -> nn.Module:
     return root
 
 
+def _read(layer: nn.Module, path: str, merge, unmerge) -> dict[str, torch.Tensor]:
+    """``layer``'s own parameters by full name, after ``merge(layer)``; copies, then ``unmerge(layer)``, if given."""
+    try:
+        if merge is not None:
+            merge(layer)
+        return {f"{path}.{n}": t.detach().clone() if unmerge is not None else t.detach()
+                for n, t in layer.named_parameters(recurse=False)}
+    finally:
+        if unmerge is not None:
+            unmerge(layer)
+
+
 def _to_device(adapter_set: AdapterSet, device: torch.device) -> AdapterSet:
     sites = {s: {k: v.to(device) for k, v in t.items()} for s, t in adapter_set.sites.items()}
     return AdapterSet(adapter_set.family, sites, adapter_set.norm_groups, adapter_set.metadata, adapter_set.source)
@@ -145,25 +158,29 @@ class LiveSlim:
 
     # ------------------------------------------------------------------------------------------ actions
     def apply(self, key: Hashable, adapter_set: AdapterSet, merge: Callable[[nn.Module], None] | None = None,
-              offload: bool = False, compute_device: torch.device | str | None = None) -> SwapReport:
+              offload: bool = False, compute_device: torch.device | str | None = None,
+              unmerge: Callable[[nn.Module], None] | None = None) -> SwapReport:
         """Install the slim layers for ``key`` (folding ``adapter_set`` unless cached); no-op if installed.
 
         ``merge(layer)`` is called on each original layer before its weights are read (the host's lazy LoRA
-        merge). ``offload`` moves the replaced originals to the CPU while slim. ``compute_device`` is where the
-        fold runs (default: where each layer lives). On any error the original layers are back in place and
-        :class:`SwapError` says why. A changed ``offload`` re-installs the cached layers.
+        merge); ``unmerge(layer)`` right after they are read (copied), also when reading fails, to put the
+        layer back as the host keeps it. ``offload`` moves the replaced originals to the CPU while slim.
+        ``compute_device`` is where the fold runs (default: where each layer lives). On any error the original
+        layers are back in place and :class:`SwapError` says why. A changed ``offload`` re-installs the cached
+        layers. The report says ``cached`` whenever no fold was computed (installed already, or from the cache).
         """
         if self.key == key and self._offload == offload:
+            self.report = replace(self.report, cached=True, seconds=0.0)
             return self.report
         self.restore()
         t0 = time.perf_counter()
         try:
             cached = self._cache.pop(key, None)
             if cached is None:
-                layers, report = self._fold(adapter_set, merge, compute_device)
+                layers, report = self._fold(adapter_set, merge, unmerge, compute_device)
             else:
                 layers, report = cached
-                report = SwapReport(report.sites, report.layers, report.bytes_before, report.bytes_after, True, 0.0)
+                report = replace(report, cached=True)
             self._install(layers, offload)
         except Exception as err:
             self.restore()
@@ -197,7 +214,7 @@ class LiveSlim:
         self._hook.remove()
 
     # ---------------------------------------------------------------------------------------- internals
-    def _fold(self, adapter_set: AdapterSet, merge, compute_device):
+    def _fold(self, adapter_set: AdapterSet, merge, unmerge, compute_device):
         self.check(adapter_set)
         paths = self.layer_paths(adapter_set)
         originals = {p: self.unet.get_submodule(p) for p in paths}
@@ -207,9 +224,7 @@ class LiveSlim:
                 weights = {}
                 for path, layer in originals.items():
                     if path.startswith(site + "."):
-                        if merge is not None:
-                            merge(layer)
-                        weights.update({f"{path}.{n}": t.detach() for n, t in layer.named_parameters(recurse=False)})
+                        weights.update(_read(layer, path, merge, unmerge))
                 home = next(iter(weights.values())).device
                 dev = torch.device(compute_device) if compute_device is not None else home
                 if dev not in on_device:

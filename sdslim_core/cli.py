@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+from .optional import MissingDependency
+
 COMMAND_MODULES = (
     "sdslim_core.breakdown_cli",
     "sdslim_core.train.cli",
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, MissingDependency) as err:
         print(f"sdslim {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from . import layout
+from . import layout, optional
 from .safetensors_io import FileFormatError, LazyStateDict
 
 TE_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
@@ -459,12 +459,7 @@ def check_module(mod: LoraModule, shape_of) -> list[str]:
 # ------------------------------------------------------------------------------------------------ ΔW math
 
 def _lycoris(name: str):
-    import importlib
-    try:
-        return importlib.import_module(f"lycoris.functional.{name}")
-    except ImportError as err:
-        raise LoraError(f"merging LoHa/LoKr/Tucker LoRA weights needs lycoris-lora ({err}); install it with "
-                        "`pip install lycoris-lora`") from None
+    return optional.require(f"lycoris.functional.{name}", "merging LoHa/LoKr/Tucker LoRA weights")
 
 
 def module_scale(mod: LoraModule) -> float:

@@ -110,6 +110,55 @@ def test_selection_change_restores_then_refolds_and_cache_hits_on_return(session
     assert torch.allclose(p4.standin_outputs[0], _reference(session, multiplier=0.0), atol=TOL, rtol=0)
 
 
+def _plain(s, seed=11):
+    """The UNet's output in a webui without SD Slim and without any LoRA."""
+    with torch.no_grad():
+        return s.pristine(first_noise(seed), torch.full((1,), 500), context=s.context)
+
+
+def _functional_lora(s):
+    """Settings › Compatibility › "Lora/Networks: use old method …": the Lora extension adds each LoRA in the
+    layer's forward, and leaves a layer's weight as it is while no network is loaded."""
+    from modules import shared
+    shared.opts.set("lora_functional", True)
+
+
+def test_functional_lora_mode_gives_back_unmerged_originals(session):
+    _functional_lora(session)
+    snap = session.snapshot()
+    p1, _ = session.generate("cat <lora:a:0.6>")
+    assert torch.allclose(p1.standin_outputs[0], _reference(session, multiplier=0.6), atol=TOL, rtol=0)
+    p2, _ = session.generate("cat", mode="Off")
+    assert torch.equal(p2.standin_outputs[0], _plain(session))
+    session.assert_same_as(snap)
+    for path in LORA_LAYERS:        # as the functional path leaves them: no backup, no merge recorded
+        layer = session.unet.get_submodule(path)
+        assert getattr(layer, "network_weights_backup", None) is None, path
+        assert getattr(layer, "network_current_names", ()) == (), path
+    p3, _ = session.generate("cat <lora:a:0.6>", mode="Off")      # the LoRA alone, added functionally
+    with torch.no_grad():
+        want = merged_reference(session.pristine, session.lora, 0.6)(first_noise(11), torch.full((1,), 500),
+                                                                     context=session.context)
+    assert torch.allclose(p3.standin_outputs[0], want, atol=TOL, rtol=0)
+    p4, _ = session.generate("cat <lora:a:0.6>")                  # cached slim layers, no merge
+    assert session.live.report.cached and torch.equal(p4.standin_outputs[0], p1.standin_outputs[0])
+
+
+def test_console_says_folded_only_when_it_folded_and_cached_otherwise(session, capsys):
+    def lines():
+        return [ln for ln in capsys.readouterr().err.splitlines() if " sites (" in ln]
+    session.generate("cat <lora:a:0.8>")
+    first = lines()
+    m = re.fullmatch(r"\[SD Slim\] folded (15 sites \(46 layers, [0-9.]+ MiB saved\)) in [0-9.]+ s", first[0])
+    assert len(first) == 1 and m, first
+    session.generate("cat <lora:a:0.8>")                      # nothing changed: the installed slim layers are used
+    session.generate("cat <lora:a:0.5>")                      # a new fold
+    session.generate("cat <lora:a:0.8>")                      # back from the cache
+    got = lines()
+    cached = f"[SD Slim] cached: {m[1]}, no fold"
+    assert len(got) == 3 and got[0] == got[2] == cached and got[1].startswith("[SD Slim] folded 15 sites"), got
+
+
 def test_disable_in_settings_restores_at_once(session):
     snap = session.snapshot()
     session.generate("cat")

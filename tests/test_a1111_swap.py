@@ -44,6 +44,35 @@ def test_apply_replaces_exactly_the_fold_layers_and_restore_puts_the_same_object
             assert torch.equal(t, folded[f"{path}.{name}"]), f"{path}.{name}"
 
 
+def test_unmerge_follows_each_read_and_the_fold_uses_the_merged_weights(unet_and_adapters):
+    """A host that keeps layers unmerged: merge doubles the weights in place, unmerge halves them (exactly)."""
+    unet, aset = unet_and_adapters
+    snap, calls = _snapshot(unet), []
+    merged = {k: v.detach() * 2 for k, v in unet.state_dict().items()}
+    folded = fold.fold_state_dict(merged, aset)
+
+    def merge(layer):
+        calls.append(("merge", id(layer)))
+        with torch.no_grad():
+            for p in layer.parameters(recurse=False):
+                p *= 2
+
+    def unmerge(layer):
+        calls.append(("unmerge", id(layer)))
+        with torch.no_grad():
+            for p in layer.parameters(recurse=False):
+                p /= 2
+    live = LiveSlim(unet)
+    live.apply("k", aset, merge=merge, unmerge=unmerge)
+    ids = [id(live.original(p)) for p in live.layer_paths(aset)]
+    assert calls == [(what, i) for i in ids for what in ("merge", "unmerge")]
+    for path in live.replaced:
+        for name, t in unet.get_submodule(path).named_parameters():
+            assert torch.allclose(t, folded[f"{path}.{name}"], atol=1e-12, rtol=0), f"{path}.{name}"
+    live.restore()
+    _assert_same(unet, snap)
+
+
 def test_a_failure_while_installing_puts_back_what_was_already_swapped(unet_and_adapters, monkeypatch):
     unet, aset = unet_and_adapters
     snap = _snapshot(unet)
@@ -65,7 +94,10 @@ def test_cache_is_keyed_and_bounded(unet_and_adapters):
     unet, aset = unet_and_adapters
     live = LiveSlim(unet, max_cached=2)
     a = live.apply("a", aset)
-    assert not a.cached and live.apply("a", aset) is a            # installed: nothing to do
+    installed = {p: unet.get_submodule(p) for p in live.replaced}
+    again = live.apply("a", aset)                                  # installed: nothing to do, nothing folded
+    assert not a.cached and again.cached and again.seconds == 0.0 and again.bytes_saved == a.bytes_saved
+    assert all(unet.get_submodule(p) is m for p, m in installed.items())
     live.apply("b", aset.select(0.5))
     assert live.apply("a", aset).cached                           # a came back from the cache
     live.apply("c", aset.select(0.25))                             # evicts b (least recently used)

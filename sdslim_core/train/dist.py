@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from .. import optional
+
 
 class Topology:
     def __init__(self, rank: int = 0, world: int = 1, device: torch.device | None = None, state=None):
@@ -56,8 +58,8 @@ def topology(device: str = "auto") -> Topology:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     want_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if world > 1:
-        from accelerate import PartialState
-        state = PartialState(cpu=want_cpu)
+        accelerate = optional.require("accelerate", f"multi-process training (WORLD_SIZE={world})")
+        state = accelerate.PartialState(cpu=want_cpu)
         dev = torch.device("cpu") if want_cpu else state.device
         return Topology(state.process_index, state.num_processes, dev, state)
     if device == "auto":

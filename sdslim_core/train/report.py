@@ -5,6 +5,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+from .. import optional
+
 
 @dataclasses.dataclass
 class TrainReport:
@@ -107,7 +109,7 @@ def _finite(obj):
 
 def plot_site_errors(report: TrainReport, path) -> Path:
     """Per-site relative error per stage as grouped bars (matplotlib, Agg backend)."""
-    import matplotlib
+    matplotlib = optional.require("matplotlib", "the per-site error plot")
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     path = Path(path)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import adapters as adapters_mod
-from .. import layout, swap
+from .. import layout, optional, swap
 from ..adapters import AdapterSet
 from ..safetensors_io import load_file, save_file_atomic
 from ..unet import load_diffusers_unet
@@ -231,13 +231,18 @@ class Run:
                         self.device, self.compute_dtype, self.amp, batch=4096 if kind == "ff" else 8)
 
     def _optimizer_kind(self) -> str:
-        if self.device.type == "cuda" and self.tc.optimizer in ("auto", "adamw8bit"):
-            try:
-                import bitsandbytes  # noqa: F401
-                return "adamw8bit"
-            except ImportError:
-                pass
-        return "adamw"
+        """adamw8bit (bitsandbytes, CUDA only) when asked for, or for ``auto`` when it imports; else adamw."""
+        if self.device.type != "cuda" or self.tc.optimizer == "adamw":
+            return "adamw"
+        if self.tc.optimizer == "adamw8bit":
+            optional.require("bitsandbytes", "--optimizer adamw8bit")
+            return "adamw8bit"
+        try:
+            optional.require("bitsandbytes", "8-bit AdamW (--optimizer auto)")
+        except optional.MissingDependency as err:
+            self.say(f"{err}; using AdamW")
+            return "adamw"
+        return "adamw8bit"
 
     def make_optimizer(self, params, lr: float):
         if self.optimizer_name == "adamw8bit":

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from sdslim_core.optional import MissingDependency
 from sdslim_core.vram import fakecuda
 from sdslim_core.vram.settings import GIB, Settings
 
@@ -104,6 +105,8 @@ def main() -> int:
     for job in request["jobs"]:
         try:
             result = run_job(job, device)
+        except MissingDependency as err:  # the message says what to install; no traceback
+            result = {"name": job["name"], "error": str(err)}
         except Exception as err:  # reported per job; the other jobs still run
             import traceback
             traceback.print_exc()

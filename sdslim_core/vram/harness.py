@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import optional
 from .settings import TE_PARAMS, UNET_CONFIGS, VAE_PARAMS
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
@@ -99,6 +100,7 @@ def add_lora(unet, settings):
 
     peft's input cast to the adapter dtype is switched off (sd-scripts' LoRAModule feeds x unchanged;
     with the cast every adapted layer's input gets an extra copy: +0.18 GiB/sample at 768 px)."""
+    optional.require("peft", f"LoRA training (lora_kind={settings.lora_kind}, lora_rank={settings.lora_rank})")
     from peft import LoHaConfig, LoraConfig
     from peft.tuners.tuners_utils import BaseTunerLayer
     unet.requires_grad_(False)

@@ -16,7 +16,8 @@ def curve_group(name: str) -> str:
 
 
 def write_outputs(curves, out_dir, stem, title, overlay=()):
-    """``curves``: dicts with name, baseline, settings, points. Returns the written paths."""
+    """``curves``: dicts with name, baseline, settings, points (none for a skipped setting; its ``notes`` say
+    why). Returns the written paths. The PNG comes last: without matplotlib the other files are there."""
     os.makedirs(out_dir, exist_ok=True)
     for c in curves:
         c.setdefault("group", curve_group(c["name"]))
@@ -34,9 +35,11 @@ def write_outputs(curves, out_dir, stem, title, overlay=()):
         for c in curves:
             for p in c["points"]:
                 writer.writerow([c["name"], c["group"]] + [p.get(k, "") for k in scalar_keys])
-    plot_curves(curves, paths["png"], title, overlay=overlay)
-    notes = [f"- **{c['name']}**: {kink_note(fit_curve(c['points']))}" for c in curves
+    measured = [c for c in curves if c["points"]]
+    notes = [f"- **{c['name']}**: {kink_note(fit_curve(c['points']))}" for c in measured
              if not c.get("settings", {}).get("sampling")]
+    notes += [f"- **{c['name']}**: {'; '.join(c.get('notes') or ['no points'])}" for c in curves if not c["points"]]
     with open(paths["table"], "w") as f:
-        f.write(f"# {title}\n\n{fit_table(curves)}\n\n" + "\n".join(notes) + "\n")
+        f.write(f"# {title}\n\n{fit_table(measured)}\n\n" + "\n".join(notes) + "\n")
+    plot_curves(curves, paths["png"], title, overlay=overlay)
     return paths

@@ -4,10 +4,11 @@ Curves are dicts with ``name``, ``group`` and ``points`` ([{batch, peak_gib}]), 
 the study write them; ``overlay`` curves (e.g. estimates over measurements) are drawn dashed in the
 same colour as the curve of the same name.
 """
+from .. import optional
 
 
 def plot_curves(curves, path, title, overlay=(), overlay_label="estimate", ylabel="peak VRAM (GiB)"):
-    import matplotlib
+    matplotlib = optional.require("matplotlib", "the VRAM plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

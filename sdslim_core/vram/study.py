@@ -6,11 +6,11 @@ step, so the curve fits as ``max(plateau, a + b·B)`` like the estimate) and the
 polled from NVML, which is what the seed read from nvidia-smi.
 """
 import gc
-import importlib.util
 import time
 
 import torch
 
+from .. import optional
 from . import harness
 from .live import measure_peak
 from .settings import GIB
@@ -22,10 +22,10 @@ class NoGPU(RuntimeError):
 
 def unavailable_reason(settings):
     """Why this setting cannot run on this machine, or None."""
-    if settings.attention == "xformers" and importlib.util.find_spec("xformers") is None:
-        return "xformers is not installed"
-    if settings.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
-        return "bitsandbytes is not installed"
+    if settings.attention == "xformers":
+        return optional.missing("xformers", "xformers attention")
+    if settings.optimizer == "adamw8bit":
+        return optional.missing("bitsandbytes", "the adamw8bit optimizer")
     return None
 
 

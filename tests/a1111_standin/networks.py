@@ -1,10 +1,14 @@
-"""Stand-in for the built-in Lora extension's ``networks`` module: its lazy-merge semantics.
+"""Stand-in for the built-in Lora extension's ``networks`` module: its merge and functional semantics (v1.10.1).
 
 - ``load_networks`` only rebuilds ``loaded_networks``; no weight is touched;
-- ``network_apply_weights(layer)`` runs from the patched ``forward`` of Linear/Conv2d/GroupNorm on every call:
-  nothing without ``network_layer_name``; otherwise, when ``network_current_names`` differs from the wanted
-  (name, te, unet, dyn_dim) tuple, it restores the CPU backup and adds each network's delta in place;
-  a failing delta (shape mismatch) is counted in ``extra_network_lora.errors``;
+- the patched ``forward`` of Linear/Conv2d/GroupNorm runs on every call. By default it calls
+  ``network_apply_weights(layer)``: nothing without ``network_layer_name``; otherwise, when
+  ``network_current_names`` differs from the wanted (name, te, unet, dyn_dim) tuple, it restores the CPU backup
+  and adds each network's delta in place; a failing delta (shape mismatch) is counted in
+  ``extra_network_lora.errors``;
+- with ``opts.lora_functional`` ("use old method …") it calls ``network_forward`` instead: with no network
+  loaded the plain forward (whatever the weight holds); otherwise it restores the backup, forgets the merge
+  state (``network_reset_cached_weight``) and adds each network's ``forward(x, y)`` to the output;
 - loading a state dict into a layer forgets its merge state (``network_reset_cached_weight``).
 """
 import types
@@ -12,6 +16,7 @@ import types
 import torch
 
 import network
+from modules import devices, shared
 
 loaded_networks = []
 available_networks = {}          # name -> {network_layer_name: {"up", "down", "alpha"}} (set by the tests)
@@ -22,12 +27,16 @@ _originals = {}
 
 def assign_network_names_to_compvis_modules(sd_model):
     """Name every module of ``sd_model.model`` as the extension does (``diffusion_model_input_blocks_1_…``)."""
+    mapping = {}
     for name, module in sd_model.model.named_modules():
         module.network_layer_name = name.replace(".", "_")
+        mapping[module.network_layer_name] = module
+    sd_model.network_layer_mapping = mapping
 
 
 def load_networks(names, te_multipliers=None, unet_multipliers=None, dyn_dims=None):
     loaded_networks.clear()
+    mapping = getattr(shared.sd_model, "network_layer_mapping", {})
     for i, name in enumerate(names):
         if name not in available_networks:
             continue
@@ -35,18 +44,22 @@ def load_networks(names, te_multipliers=None, unet_multipliers=None, dyn_dims=No
         net.te_multiplier = te_multipliers[i] if te_multipliers else 1.0
         net.unet_multiplier = unet_multipliers[i] if unet_multipliers else 1.0
         net.dyn_dim = dyn_dims[i] if dyn_dims else None
-        net.modules = {k: network.NetworkModule(net, w) for k, w in available_networks[name].items()}
+        net.modules = {k: network.NetworkModule(net, dict(w, sd_module=mapping.get(k)))
+                       for k, w in available_networks[name].items()}
         loaded_networks.append(net)
 
 
 def network_restore_weights_from_backup(self):
-    backup = getattr(self, "network_weights_backup", None)
-    if backup is None:
+    weights_backup = getattr(self, "network_weights_backup", None)
+    bias_backup = getattr(self, "network_bias_backup", None)
+    if weights_backup is None and bias_backup is None:
         return
     with torch.no_grad():
-        self.weight.copy_(backup)
-        bias_backup = getattr(self, "network_bias_backup", None)
-        if bias_backup is not None:
+        if weights_backup is not None:
+            self.weight.copy_(weights_backup)
+        if bias_backup is None:
+            self.bias = None
+        else:
             self.bias.copy_(bias_backup)
 
 
@@ -60,8 +73,12 @@ def network_apply_weights(self):
         if current != ():
             raise RuntimeError(f"{name} - no backup weights found and current weights are not unchanged")
         self.network_weights_backup = self.weight.detach().to("cpu", copy=True)
+    if getattr(self, "network_bias_backup", None) is None and wanted != ():
         bias = getattr(self, "bias", None)
-        self.network_bias_backup = None if bias is None else bias.detach().to("cpu", copy=True)
+        bias_backup = None if bias is None else bias.detach().to("cpu", copy=True)
+        if bias_backup is not None and current != ():
+            raise RuntimeError("no backup bias found and current bias are not unchanged")
+        self.network_bias_backup = bias_backup
     if current == wanted:
         return
     network_restore_weights_from_backup(self)
@@ -78,6 +95,22 @@ def network_apply_weights(self):
     self.network_current_names = wanted
 
 
+def network_forward(org_module, input, original_forward):
+    if len(loaded_networks) == 0:
+        return original_forward(org_module, input)
+    input = devices.cond_cast_unet(input)
+    network_restore_weights_from_backup(org_module)
+    network_reset_cached_weight(org_module)
+    y = original_forward(org_module, input)
+    name = getattr(org_module, "network_layer_name", None)
+    for net in loaded_networks:
+        module = net.modules.get(name)
+        if module is None:
+            continue
+        y = module.forward(input, y)
+    return y
+
+
 def network_reset_cached_weight(self):
     self.network_current_names = ()
     self.network_weights_backup = None
@@ -87,9 +120,11 @@ def network_reset_cached_weight(self):
 def _patched_forward(cls):
     original = cls.forward
 
-    def forward(self, *args, **kwargs):
+    def forward(self, input):
+        if shared.opts.lora_functional:
+            return network_forward(self, input, original)
         network_apply_weights(self)
-        return original(self, *args, **kwargs)
+        return original(self, input)
     return forward
 
 
@@ -103,7 +138,13 @@ def _patched_load(cls):
 
 
 def standin_install():
-    """Patch the layer classes as the extension does at load time (undo with :func:`standin_uninstall`)."""
+    """Load-time work of the extension (``lora_script.py``): patch the layer classes and add its Compatibility
+    option ``lora_functional`` (undo the patches with :func:`standin_uninstall`)."""
+    shared.options_templates.update(shared.options_section(("compatibility", "Compatibility"), {
+        "lora_functional": shared.OptionInfo(False, "Lora/Networks: use old method that takes longer when you "
+                                             "have multiple Loras active and produces same results as "
+                                             "kohya-ss/sd-webui-additional-networks extension"),
+    }))
     for cls in _PATCHED:
         if cls not in _originals:
             _originals[cls] = (cls.forward, cls._load_from_state_dict)

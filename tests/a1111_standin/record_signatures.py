@@ -20,7 +20,8 @@ WEBUI = {
     "modules/options.py": ("modules.options", ["OptionInfo", "Options", "options_section"]),
     "modules/paths.py": ("modules.paths", ["models_path"]),
     "modules/sd_unet.py": ("modules.sd_unet", ["current_unet"]),
-    "modules/devices.py": ("modules.devices", ["torch_gc", "device", "cpu", "fp8", "dtype_unet"]),
+    "modules/devices.py": ("modules.devices", ["torch_gc", "device", "cpu", "fp8", "dtype_unet",
+                                               "cond_cast_unet", "unet_needs_upcast"]),
     "modules/errors.py": ("modules.errors", ["report"]),
     "modules/ui_common.py": ("modules.ui_common", ["create_refresh_button"]),
     "modules/infotext_utils.py": ("modules.infotext_utils", ["quote", "unquote", "parse_generation_parameters"]),
@@ -33,7 +34,7 @@ WEBUI = {
     "modules/launch_utils.py": ("modules.launch_utils", ["is_installed", "run_pip"]),
     "extensions-builtin/Lora/networks.py": ("networks", [
         "loaded_networks", "available_networks", "load_networks", "network_apply_weights",
-        "network_restore_weights_from_backup", "network_reset_cached_weight",
+        "network_restore_weights_from_backup", "network_reset_cached_weight", "network_forward",
         "assign_network_names_to_compvis_modules", "extra_network_lora"]),
     "extensions-builtin/Lora/network.py": ("network", ["Network", "NetworkModule"]),
 }

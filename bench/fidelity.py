@@ -1,35 +1,219 @@
-"""Fidelity of the slim tiny teacher at several ratios: params, latency ratio, same-seed PSNR, LoRA cosine.
+"""The fidelity ladder: slim UNets next to what users pick instead (fp8 storage, GGUF Q8_0/Q4_0), same teacher,
+same seeds, same prompts, same LoRA and ControlNet.
 
-    .venv/bin/python bench/fidelity.py [--ratios 0.75,0.5,0.25] [--fast] [--out out/bench-fidelity]
+    .venv/bin/python bench/fidelity.py [--teachers tiny,wide] [--targets 0.85,0.75,half,0.55]
+        [--budgets init,demo,long] [--long-at half] [--out out/bench-fidelity] [--ablation]
 
-Each ratio runs the full demo recipe (train → merge LoRA → fold → sample the same seeds/prompts as the
-teacher), so the numbers are exactly what `sdslim demo --ratio R` reports.
+For each shipped teacher (``tiny``: base width 32; ``wide``: base width 64) and each target slim parameter ratio
+(``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks and budget-allocated ranks at equal
+parameters, training-free (``init``), after the demo's training budget (``demo``) and after a longer one (``long``,
+at ``--long-at`` targets only); the alternatives in the same table; slim stacked with fp8. CPU time is the training
+process's CPU seconds (calibration included). Columns: params ×, weight bytes (the format's own: fp16, fp8, GGUF
+blocks), UNet forward FLOPs ×, same-seed latent PSNR, image PSNR / SSIM, ε relative error (and CFG-guided),
+LoRA-effect cosine, ControlNet-effect cosine. ``--ablation`` adds the held-out per-site error of each
+initialisation step (v0.1's act_select → whole norm2 groups → OBS selection → FF intercept) and the whole-UNet
+error of uniform vs allocated ranks.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import time
 from pathlib import Path
 
-from sdslim_core.demo import run_demo
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from sdslim_core import adapters, breakdown, fold, fidelity, layout, lora, quant, tiny, tiny_data  # noqa: E402
+from sdslim_core.demo import FULL, PROMPTS_SEED  # noqa: E402
+from sdslim_core.sampling import diffusers_fn  # noqa: E402
+from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402
+from sdslim_core.train import ranks as ranks_mod  # noqa: E402
+
+BUDGETS = {"init": dict(FULL, stage1_steps=0, stage2_steps=0),
+           "demo": dict(FULL),
+           "long": dict(FULL, stage1_steps=1200, stage2_steps=6000, n_trajectories=48)}
+
+
+def sd15_half() -> float:
+    """SD1.5's slim/original parameter ratio at uniform width ½ (real layout, counted on shapes)."""
+    from sdslim_core.unet import canonical_shapes
+    shapes = canonical_shapes(layout.config_for_arch("sd15"))
+    ranks = adapters.ranks_for_ratio(layout.sites(shapes), 0.5)
+    return ranks_mod.slim_param_count(shapes, ranks) / ranks_mod.slim_param_count(shapes, {})
+
+
+def uniform_ratio_for(shapes: dict, target: float) -> float:
+    """The uniform width fraction whose slim parameter count is closest to ``target`` × the original."""
+    site_list = layout.sites(shapes)
+    full = ranks_mod.slim_param_count(shapes, {})
+
+    def params(r):
+        return ranks_mod.slim_param_count(shapes, adapters.ranks_for_ratio(site_list, r)) / full
+    grid = [i / 200 for i in range(1, 201)]
+    return min(grid, key=lambda r: (abs(params(r) - target), -r))
+
+
+class Teacher:
+    """One shipped teacher with everything the ladder compares on."""
+
+    def __init__(self, name: str, n_images: int = 6, seed: int = 0):
+        self.name = name
+        assets = tiny.TEACHERS[name]
+        self.pipe = tiny.load_tiny_pipeline(assets.model)
+        self.cfg = self.pipe.checkpoint.config
+        self.weights = {k: v.float() for k, v in self.pipe.checkpoint.weights.items()}
+        self.shapes = {k: tuple(v.shape) for k, v in self.weights.items()}
+        merged, _ = lora.merge_loras(self.weights, [(assets.lora, 1.0)], self.cfg)
+        self.candidates = fidelity.Candidates(self.pipe.unet, self.cfg, self.weights, merged)
+        teacher_lora = self.candidates.unet({**self.weights, **merged})
+        batch = tiny_data.make_batch(PROMPTS_SEED, 0, n_images)
+        control = tiny.controlnet_hook(tiny.load_tiny_controlnet(assets.controlnet), batch.masks)
+        self.probe = fidelity.Probe(fn_of=diffusers_fn, context=self.pipe.encode_prompt(batch.captions),
+                                    uncond=self.pipe.encode_prompt([""] * n_images),
+                                    noise=self.pipe.noise(n_images, seed + 7), schedule=self.pipe.schedule, steps=20,
+                                    guidance=4.0, decode=self.pipe.decode, control=control)
+        self.ref = fidelity.reference(self.probe, self.pipe.unet, teacher_lora)
+        x = self.probe.noise[:1]
+        self.flop_args = (x, torch.tensor([500.0]), self.probe.context[:1])
+        self.flops = fidelity.forward_flops(self.pipe.unet, *self.flop_args)
+        self.params = ranks_mod.slim_param_count(self.shapes, {})
+        self.calib_prompts = [tiny_data.make_batch(seed + 1, i, 1).captions[0] for i in range(16)]
+
+    def row(self, label: str, model, model_lora, weights: dict, method: str | None, cpu_s: float | None) -> dict:
+        r = fidelity.compare(self.probe, self.ref, model, model_lora)
+        r.pop("images", None)
+        n = sum(v.numel() for v in weights.values())
+        r.update(label=label, params_ratio=n / self.params, bytes=quant.storage_bytes(weights, method),
+                 flops_ratio=fidelity.forward_flops(model, *self.flop_args) / self.flops, cpu_s=cpu_s)
+        return r
+
+    def train(self, ratio: float, uniform: bool, budget: str, work: Path):
+        tc = TrainConfig(ratio=ratio, uniform=uniform, guidance=4.0, latent_size=self.pipe.latent_size, seed=0,
+                         work_dir=str(work), **BUDGETS[budget])
+        t0 = time.process_time()
+        res = train_adapters(self.pipe.unet, self.cfg, Calibration.from_prompts(self.calib_prompts,
+                                                                                self.pipe.encode_prompt),
+                             tc, work.with_suffix(".safetensors"))
+        return res.adapters, time.process_time() - t0
+
+
+def ablation(t: Teacher, ratio: float, work: Path) -> dict:
+    """Held-out per-site error of each initialisation step at uniform ``ratio`` (mean over FF / Res sites)."""
+    from sdslim_core.train.run import Run, teacher_weights
+    from sdslim_core.train.sites import build_student, make_site_adapter
+    tc = TrainConfig(ratio=ratio, uniform=True, guidance=4.0, latent_size=t.pipe.latent_size, seed=0,
+                     work_dir=str(work), **BUDGETS["init"])
+    weights, cfg = teacher_weights(t.pipe.unet, t.cfg)
+    run = Run(weights, cfg, tc, Calibration.from_prompts(t.calib_prompts, t.pipe.encode_prompt),
+              work.with_suffix(".safetensors"), None, False)
+    fp = run.fingerprint()
+    run.prepare_work_dir(fp)
+    run.calibrate(fp)
+    out: dict = {}
+    for site in run.site_order:
+        s = run.site_by_name[site]
+        r = adapters.rank_for_ratio(s.width, ratio, s.kind)
+        si, _ = run._site_init(site)
+        st = si.stats
+
+        def err(tensors, groups):
+            a = make_site_adapter(site, s.kind, {k: v.float().cpu() for k, v in tensors.items()}, groups, si.norm_eps)
+            return si.data.eval_error(build_student(si.site_mod, s.kind, run.naming, a), run.device,
+                                      run.compute_dtype, run.amp)
+        if s.kind == "ff":
+            steps = {"v0.1 act_select": err(st.act_select(r), 0),
+                     "+ OBS selection": err(st.obs(r, intercept=False), 0),
+                     "+ intercept (up_bias)": err(st.obs(r), 0)}
+        else:
+            old = adapters.DEFAULT_GROUPS if r == s.width else adapters.norm_groups_for(r)
+            groups = adapters.res_groups(s.width, r)
+            steps = {"v0.1 act_select": err(st.act_select(r), old),
+                     "+ whole norm2 groups": err(st.obs(r, greedy=False), groups),
+                     "+ OBS selection": err(st.obs(r), groups)}
+        for k, v in steps.items():
+            out.setdefault(s.kind, {}).setdefault(k, []).append(v)
+    return {kind: {k: sum(v) / len(v) for k, v in d.items()} for kind, d in out.items()}
+
+
+def fmt_row(r: dict) -> str:
+    def f(v, spec):
+        return "–" if v is None else (("inf" if v == float("inf") else format(v, spec)))
+    cpu = "–" if r["cpu_s"] is None else f"{r['cpu_s'] / 60:.1f}"
+    return (f"| {r['label']} | {r['params_ratio']:.3f} | {r['bytes'] / 1e6:.2f} | {r['flops_ratio']:.2f} | "
+            f"{f(r['latent_psnr_db'], '.1f')} | {f(r.get('image_psnr_db'), '.1f')} | {f(r.get('image_ssim'), '.3f')} | "
+            f"{f(r['eps_rel_error'], '.4f')} | {f(r.get('guided_eps_rel_error'), '.4f')} | "
+            f"{f(r.get('lora_effect_cosine'), '.4f')} | {f(r.get('controlnet_effect_cosine'), '.4f')} | {cpu} |")
+
+
+HEADER = ("| row | params × | MB | FLOPs × | latent PSNR dB | image PSNR dB | SSIM | ε rel err | guided ε rel err | "
+          "LoRA cos | ControlNet cos | train CPU-min |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ratios", default="0.75,0.5,0.25")
-    ap.add_argument("--fast", action="store_true")
+    ap.add_argument("--teachers", default="tiny,wide")
+    ap.add_argument("--targets", default="0.85,0.75,half,0.55")
+    ap.add_argument("--budgets", default="init,demo,long")
+    ap.add_argument("--long-at", default="half", help="targets that also get the long budget")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ablation", action="store_true")
     ap.add_argument("--out", default="out/bench-fidelity")
     args = ap.parse_args()
-    rows = []
-    for ratio in (float(r) for r in args.ratios.split(",")):
-        s = run_demo(Path(args.out) / f"ratio-{ratio}", ratio=ratio, fast=args.fast)
-        rows.append((ratio, s))
-    print("\n| ratio | params | × | latency × | eps rel err | image PSNR dB | SSIM | LoRA cos | ControlNet cos |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for ratio, s in rows:
-        m, f = s["model"], s["fidelity"]
-        print(f"| {ratio} | {m['params_slim']:,} | {m['params_ratio']:.3f} | {s['latency']['speedup']:.2f} | "
-              f"{f['eps_rel_error']:.4f} | {f['image_psnr_db']:.2f} | {f['image_ssim']:.4f} | "
-              f"{s['lora']['effect_cosine_eps']:.4f} | {s['controlnet']['effect_cosine_eps']:.4f} |")
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    half = sd15_half()
+    names = {"half": half}
+    targets = [names.get(x, None) or float(x) for x in args.targets.split(",")]
+    long_at = [names.get(x, None) or float(x) for x in args.long_at.split(",") if x]
+    budgets = args.budgets.split(",")
+    results = {}
+    for name in args.teachers.split(","):
+        t = Teacher(name)
+        rows = [t.row("teacher (fp16)", t.pipe.unet, t.candidates.unet({**t.weights, **t.candidates.lora_delta}),
+                      t.weights, None, None)]
+        for method in quant.METHODS:
+            m, ml, w = t.candidates.quantised(method)
+            rows.append(t.row({"fp8": "fp8 e4m3fn storage", "q8_0": "GGUF Q8_0", "q4_0": "GGUF Q4_0"}[method],
+                              m, ml, w, method, None))
+        print(f"\n## {name} teacher\n\n{HEADER}", flush=True)
+        for r in rows:
+            print(fmt_row(r), flush=True)
+        for target in targets:
+            ratio = uniform_ratio_for(t.shapes, target)
+            tag = f"{target:.3f}" + (" (SD1.5 half)" if target == half else "")
+            best = None
+            for budget in budgets:
+                if budget == "long" and target not in long_at:
+                    continue
+                for uniform in ((True, False) if budget == "init" else (False,)):
+                    work = out / "work" / f"{name}-{target:.3f}-{budget}-{'u' if uniform else 'a'}"
+                    aset, cpu = t.train(ratio, uniform, budget, work)
+                    m, ml, w = t.candidates.slim(aset)
+                    label = f"slim {tag}, {'uniform' if uniform else 'allocated'} ranks, {budget}"
+                    r = t.row(label, m, ml, w, None, cpu)
+                    r["ranks"] = aset.ranks()
+                    rows.append(r)
+                    print(fmt_row(r), flush=True)
+                    if not uniform:
+                        best = (aset, cpu, budget)
+            if best is not None:
+                m, ml, w = t.candidates.slim(best[0], "fp8")
+                r = t.row(f"slim {tag}, allocated, {best[2]} + fp8 storage", m, ml, w, "fp8", best[1])
+                rows.append(r)
+                print(fmt_row(r), flush=True)
+        results[name] = {"rows": rows, "sd15_half": half}
+        if args.ablation:
+            results[name]["ablation"] = ablation(t, 0.5, out / "work" / f"{name}-ablation")
+            print(f"\nheld-out site error at uniform width 0.5 ({name}): "
+                  + json.dumps(results[name]["ablation"], indent=1), flush=True)
+        (out / "results.json").write_text(json.dumps(fidelity.jsonable(results), indent=1, default=str))
+    print(f"\nwrote {out / 'results.json'}")
 
 
 if __name__ == "__main__":

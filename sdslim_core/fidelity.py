@@ -186,3 +186,63 @@ def compare(probe: Probe, ref: Reference, candidate: nn.Module, candidate_lora: 
         d_t = torch.cat([ec - e for ec, e in zip(ref.eps_control, ref.eps)])
         out["controlnet_effect_cosine"] = cosine(d_c, d_t)
     return out
+
+
+# ------------------------------------------------------------------------------------------ candidates
+
+class Candidates:
+    """Builds what a user can run instead of ``teacher`` — slim, weight-quantised, or both — each with and without
+    the same LoRA, the way the hosts apply it:
+
+    - slim: the LoRA is merged into the full weights, then folded (:mod:`sdslim_core.lora`, :mod:`fold`);
+    - ``fp8`` storage: merged, then stored in fp8 (ComfyUI re-casts patched weights to the storage dtype);
+    - GGUF ``q8_0``/``q4_0``: the LoRA delta is added to the dequantised weights at run time (ComfyUI-GGUF);
+    - slim + ``fp8``: merged, folded, then stored in fp8.
+
+    ``weights`` are the teacher's canonical float weights; ``lora_delta`` the canonical keys a LoRA changes (with
+    their merged values), e.g. from :func:`sdslim_core.lora.merge_loras`.
+    """
+
+    def __init__(self, teacher: nn.Module, cfg, weights: dict, lora_delta: dict | None = None):
+        self.teacher, self.cfg, self.weights = teacher, cfg, weights
+        self.lora_delta = lora_delta or {}
+
+    def unet(self, weights: dict, norm_groups: dict | None = None) -> nn.Module:
+        from .unet import load_diffusers_unet
+        return load_diffusers_unet(weights, self.cfg, norm_groups=norm_groups).eval()
+
+    def _with_lora(self) -> dict:
+        return {**self.weights, **self.lora_delta}
+
+    def quantised(self, method: str) -> tuple[nn.Module, nn.Module | None, dict]:
+        """(model, model + LoRA or None, its canonical weights) for a weight-storage ``method``."""
+        from . import quant
+        stored = quant.round_trip(self.weights, method)
+        lora = None
+        if self.lora_delta:
+            if method == "fp8":
+                lora = self.unet(quant.round_trip(self._with_lora(), method))
+            else:
+                lora = self.unet({k: stored[k] + (self.lora_delta[k] - self.weights[k]) if k in self.lora_delta
+                                   else v for k, v in stored.items()})
+        return self.unet(stored), lora, stored
+
+    def slim(self, aset, method: str | None = None) -> tuple[nn.Module, nn.Module | None, dict]:
+        """(slim model, slim model + LoRA or None, its canonical weights), optionally stored with ``method``."""
+        from . import fold, quant
+        groups = {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"}
+
+        def build(weights):
+            full = {**weights, **fold.fold_state_dict(weights, aset)}
+            return quant.round_trip(full, method) if method else full
+        slim_w = build(self.weights)
+        lora = self.unet(build(self._with_lora()), groups) if self.lora_delta else None
+        return self.unet(slim_w, groups), lora, slim_w
+
+
+def forward_flops(module: nn.Module, *args, **kwargs) -> int:
+    """Floating-point operations of one forward call (matmuls and convolutions, counted by torch)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        module(*args, **kwargs)
+    return int(counter.get_total_flops())

@@ -9,7 +9,7 @@ import argparse
 import json
 import time
 
-from tiny_common import (ASSETS, IMG, command_line, diffusion_loss, drop_captions, image_grid, plot_losses,
+from tiny_common import (IMG, command_line, diffusion_loss, drop_captions, image_grid, plot_losses,
                          record_asset, setup)
 
 import torch
@@ -47,9 +47,11 @@ def main():
     p.add_argument("--min-snr", type=float, default=5.0)
     p.add_argument("--offset-noise", type=float, default=0.5)
     p.add_argument("--uncond-prob", type=float, default=0.1)
+    p.add_argument("--teacher", default="tiny", choices=sorted(tiny.TEACHERS), help="which shipped teacher")
     args = p.parse_args()
     setup(args.seed, args.threads)
-    pipe = tiny.load_tiny_pipeline()
+    assets = tiny.TEACHERS[args.teacher]
+    pipe = tiny.load_tiny_pipeline(assets.model)
     downs = len(pipe.vae.config.block_out_channels) - 1
     controlnet = ControlNetModel.from_unet(pipe.unet, conditioning_channels=1,
                                            conditioning_embedding_out_channels=tuple(16 * 2 ** i
@@ -81,28 +83,31 @@ def main():
     command = command_line("train_tiny_controlnet.py", args)
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in controlnet.config.items()
               if not k.startswith("_")}
-    path = ASSETS / "tiny_controlnet_mask.safetensors"
+    path = assets.controlnet
     save_file_atomic({k: v.half() for k, v in controlnet.state_dict().items()}, path,
-                     {tiny.META["controlnet"]: json.dumps(config), "sdslim.tiny.base": "tiny_sd15.safetensors",
+                     {tiny.META["controlnet"]: json.dumps(config), "sdslim.tiny.base": assets.model.name,
                       "sdslim.tiny.condition": "shape mask, 1 channel, 32x32, values 0/1",
                       "sdslim.tiny.command": command})
 
     reloaded = tiny.load_tiny_controlnet(path)
-    iou_without, iou_with, batch, without, with_cn = evaluate(tiny.load_tiny_pipeline(), reloaded, args.seed + 99, 8)
+    iou_without, iou_with, batch, without, with_cn = evaluate(tiny.load_tiny_pipeline(assets.model), reloaded,
+                                                              args.seed + 99, 8)
     effect = {"mask_iou_without": round(iou_without, 4), "mask_iou_with": round(iou_with, 4)}
     masks = batch.masks.expand(-1, 3, -1, -1)
     image_grid(torch.stack([masks, without, with_cn]), ["mask", "teacher", "+ ControlNet"],
-               [c.replace(" on a ", "\non a ") for c in batch.captions], IMG / "tiny_controlnet_samples.png",
-               f"tiny ControlNet (mask): same seeds and captions; mean IoU {iou_without:.2f} → {iou_with:.2f}")
-    plot_losses({"ControlNet eps MSE (min-SNR weighted)": losses}, IMG / "tiny_controlnet_loss.png",
-                f"tiny ControlNet training ({seconds:.0f} s)")
-    record_asset(path, {"what": "diffusers `ControlNetModel` (`from_unet` of tiny_sd15) conditioned on the 1-channel "
+               [c.replace(" on a ", "\non a ") for c in batch.captions], IMG / f"{args.teacher}_controlnet_samples.png",
+               f"{args.teacher} ControlNet (mask): same seeds and captions; mean IoU {iou_without:.2f} → "
+               f"{iou_with:.2f}")
+    plot_losses({"ControlNet eps MSE (min-SNR weighted)": losses}, IMG / f"{args.teacher}_controlnet_loss.png",
+                f"{args.teacher} ControlNet training ({seconds:.0f} s)")
+    record_asset(path, {"what": f"diffusers `ControlNetModel` (`from_unet` of {assets.model.name}) conditioned on "
+                                "the 1-channel "
                                 "shape mask (32×32, 0/1), fp16, diffusers keys, config in metadata. Load with "
                                 "`sdslim_core.tiny.load_tiny_controlnet()`, sample with `tiny.controlnet_hook`.",
                         "command": command, "train_seconds": round(seconds), "threads": args.threads,
                         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 5), "effect": effect,
-                        "loss_curve": "docs/img/tiny_controlnet_loss.png",
-                        "samples": "docs/img/tiny_controlnet_samples.png"})
+                        "loss_curve": f"docs/img/{args.teacher}_controlnet_loss.png",
+                        "samples": f"docs/img/{args.teacher}_controlnet_samples.png"})
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) in {seconds:.0f} s; effect {effect}")
 
 

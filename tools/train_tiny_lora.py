@@ -8,7 +8,7 @@ slimming site. Training data: the procedural shapes with the shape recoloured gr
 import argparse
 import time
 
-from tiny_common import (ASSETS, IMG, command_line, diffusion_loss, drop_captions, image_grid, plot_losses,
+from tiny_common import (IMG, command_line, diffusion_loss, drop_captions, image_grid, plot_losses,
                          record_asset, setup)
 
 import torch
@@ -21,7 +21,7 @@ from sdslim_core.safetensors_io import save_file_atomic
 GREEN = tiny_data.colour_index("green")
 LOCON_RESNETS = ("down_blocks.0.resnets.0", "down_blocks.0.resnets.1", "mid_block.resnets.0",
                  "up_blocks.2.resnets.0", "up_blocks.2.resnets.1", "up_blocks.2.resnets.2")
-LORA_WHAT = ("kohya-format LoRA/LoCon (rank {rank}, alpha {alpha}) for tiny_sd15: every attention and FeedForward "
+LORA_WHAT = ("kohya-format LoRA/LoCon (rank {rank}, alpha {alpha}) for {base}: every attention and FeedForward "
              "linear, plus conv1/conv2 of {n} ResBlocks as LoCon (3×3 down, 1×1 up). Paints every shape green "
              "whatever colour the caption names. Merge with `sdslim_core.lora` (e.g. `TinyPipeline.unet_with_loras`).")
 EVAL_CAPTIONS = ["a red circle on a blue background", "a blue square on a yellow background",
@@ -92,9 +92,11 @@ def main():
     p.add_argument("--min-snr", type=float, default=5.0)
     p.add_argument("--offset-noise", type=float, default=0.5)
     p.add_argument("--uncond-prob", type=float, default=0.1)
+    p.add_argument("--teacher", default="tiny", choices=sorted(tiny.TEACHERS), help="which shipped teacher")
     args = p.parse_args()
     setup(args.seed, args.threads)
-    pipe = tiny.load_tiny_pipeline()
+    assets = tiny.TEACHERS[args.teacher]
+    pipe = tiny.load_tiny_pipeline(assets.model)
     wrappers = attach(pipe.unet, target_modules(pipe.unet), args.rank, args.alpha)
     params = [q for w in wrappers.values() for q in (w.down.weight, w.up.weight)]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -121,29 +123,31 @@ def main():
         tensors[f"{key}.lora_up.weight"] = w.up.weight.detach().half()
         tensors[f"{key}.alpha"] = torch.tensor(args.alpha, dtype=torch.float16)
     command = command_line("train_tiny_lora.py", args)
-    path = ASSETS / "tiny_lora_green.safetensors"
+    path = assets.lora
     save_file_atomic(tensors, path, {"ss_network_module": "networks.lora", "ss_network_dim": str(args.rank),
                                      "ss_network_alpha": str(args.alpha), "ss_base_model_version": "sd_v1",
-                                     "sdslim.tiny.base": "tiny_sd15.safetensors",
+                                     "sdslim.tiny.base": assets.model.name,
                                      "sdslim.tiny.effect": "paints every shape green, whatever colour the caption "
                                                            "names", "sdslim.tiny.command": command})
 
     # Effect, measured through the product's merge path on a freshly loaded teacher.
-    base = tiny.load_tiny_pipeline()
+    base = tiny.load_tiny_pipeline(assets.model)
     lora_fn = sampling.diffusers_fn(base.unet_with_loras([(path, 1.0)]))
     before = torch.stack([base.generate([c] * 4, seed=1, steps=20) for c in EVAL_CAPTIONS])
     after = torch.stack([base.generate([c] * 4, seed=1, steps=20, fn=lora_fn) for c in EVAL_CAPTIONS])
     effect = {"green_pixel_fraction_without": round(green_fraction(before.flatten(0, 1)), 4),
               "green_pixel_fraction_with": round(green_fraction(after.flatten(0, 1)), 4)}
     image_grid(torch.cat([before[:, :2], after[:, :2]], 1), EVAL_CAPTIONS,
-               ["teacher", "teacher", "+ LoRA", "+ LoRA"], IMG / "tiny_lora_samples.png",
-               "tiny LoRA 'green': same seeds without / with the LoRA (merged), DDIM 20, CFG 4")
-    plot_losses({"LoRA eps MSE (min-SNR weighted)": losses}, IMG / "tiny_lora_loss.png",
-                f"tiny LoRA training ({seconds:.0f} s)")
-    record_asset(path, {"what": LORA_WHAT.format(rank=args.rank, alpha=args.alpha, n=len(LOCON_RESNETS)),
+               ["teacher", "teacher", "+ LoRA", "+ LoRA"], IMG / f"{args.teacher}_lora_samples.png",
+               f"{args.teacher} LoRA 'green': same seeds without / with the LoRA (merged), DDIM 20, CFG 4")
+    plot_losses({"LoRA eps MSE (min-SNR weighted)": losses}, IMG / f"{args.teacher}_lora_loss.png",
+                f"{args.teacher} LoRA training ({seconds:.0f} s)")
+    record_asset(path, {"what": LORA_WHAT.format(rank=args.rank, alpha=args.alpha, n=len(LOCON_RESNETS),
+                                                 base=assets.model.name),
                         "command": command, "train_seconds": round(seconds), "threads": args.threads,
                         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 5), "effect": effect,
-                        "loss_curve": "docs/img/tiny_lora_loss.png", "samples": "docs/img/tiny_lora_samples.png"})
+                        "loss_curve": f"docs/img/{args.teacher}_lora_loss.png",
+                        "samples": f"docs/img/{args.teacher}_lora_samples.png"})
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) in {seconds:.0f} s; effect {effect}")
 
 

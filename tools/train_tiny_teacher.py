@@ -13,7 +13,7 @@ import json
 import math
 import time
 
-from tiny_common import (ASSETS, IMG, EMA, command_line, diffusion_loss, drop_captions, image_grid, plot_losses,
+from tiny_common import (IMG, EMA, command_line, diffusion_loss, drop_captions, image_grid, plot_losses,
                          record_asset, setup)
 
 import torch

@@ -205,18 +205,17 @@ def test_slim_and_breakdown_actions_match_the_cli(slim_files, capsys):
     assert len(fig.axes[0].patches) == 12    # 6 components, original and slim
 
 
-def test_worker_progress_and_cancel():
-    """run_worker reports each point as it is measured, and a cancel stops the worker process."""
+def test_worker_cancel_stops_the_process():
+    """A cancel stops the estimate worker (its progress lines are checked in test_vram_estimate)."""
+    import time
     from sdslim_core.vram.estimate import EstimateCancelled, run_worker
     from test_vram_estimate import ENV, tiny
-    lines = []
-    raw = run_worker([("a", tiny(precision="fp32"), (1, 2))], env=ENV, on_progress=lines.append, timeout=600)
-    assert [p["batch"] for p in raw[0]["points"]] == [1, 2]
-    assert [ln.strip().split(" peak")[0] for ln in lines if " peak " in ln] == ["a: B=1", "a: B=2"]
     cancel = threading.Event()
     threading.Timer(0.5, cancel.set).start()
+    t0 = time.monotonic()
     with pytest.raises(EstimateCancelled):
         run_worker([("b", tiny(precision="fp32"), (1, 2, 3, 4))], env=ENV, cancel=cancel, timeout=600)
+    assert time.monotonic() - t0 < 10
 
 
 def test_ui_command_without_gradio_says_how_to_install(monkeypatch, capsys, tmp_path):

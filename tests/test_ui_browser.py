@@ -380,3 +380,16 @@ def test_compare_shows_the_eval_grid_and_numbers(page, root):
     img = page.el("cmp-image", "img")
     assert img.get_attribute("naturalWidth") not in (None, "0")
     page.screenshot("compare")
+
+
+def test_no_file_is_served_by_path(server, root):
+    """gradio's file route serves no file of the --root folder or of the machine (only its own cache)."""
+    import urllib.error
+    for path in (root / "tiny_sd15.safetensors", "tiny_sd15.safetensors", "/etc/passwd",
+                 os.path.join(REPO, "README.md")):
+        try:
+            with urllib.request.urlopen(f"{server}gradio_api/file={path}", timeout=10) as r:
+                status = r.status
+        except urllib.error.HTTPError as err:
+            status = err.code
+        assert status in (403, 404), (path, status)

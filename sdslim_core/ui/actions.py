@@ -389,7 +389,7 @@ def compare_table(r: dict) -> str:
     s = r["sampler"]
     rows.append(("sampler", f"{s['method']} {s['steps']} steps, guidance {s['guidance']:g}, {s['seeds']} seed(s)"))
     rows.append(("conditioning", r["conditioning"]))
-    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return "| metric | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
 def user_error(command: str, err: BaseException) -> str:

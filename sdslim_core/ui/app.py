@@ -172,7 +172,8 @@ def build_app(roots: Roots, planner: Planner | None = None):
                         c_status = gr.Markdown("Teacher vs slim from the same seeds (`sdslim eval`).",
                                                elem_id="cmp-status")
                         c_image = gr.Image(label="teacher | slim | 4× difference (one row per seed)",
-                                           interactive=False, elem_id="cmp-image", format="png")
+                                           interactive=False, elem_id="cmp-image", format="png",
+                                           buttons=["download", "fullscreen"])
                         c_table = gr.Markdown(elem_id="cmp-table", elem_classes="sdslim-table")
                         with gr.Accordion("JSON (as `sdslim eval --json`)", open=False):
                             c_json = gr.JSON(elem_id="cmp-json")
@@ -238,8 +239,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
             else:
                 yield render(job.result, gpu)
 
-        p_run.click(on_plan, plan_inputs + [p_gpu], plan_outputs, concurrency_limit=2,
-                                 show_progress="minimal")
+        p_run.click(on_plan, plan_inputs + [p_gpu], plan_outputs, concurrency_limit=2, show_progress="minimal")
 
         def on_cancel(request: gr.Request):
             return "Cancelling…" if planner.cancel(request.session_hash) else skip()

@@ -152,8 +152,11 @@ class Planner:
     def _key(argv) -> tuple:
         stamp = ()
         if "--ckpt" in argv:
-            st = os.stat(argv[argv.index("--ckpt") + 1])
-            stamp = (st.st_size, st.st_mtime_ns)
+            try:
+                st = os.stat(argv[argv.index("--ckpt") + 1])
+                stamp = (st.st_size, st.st_mtime_ns)
+            except OSError:  # gone: never matches a cached entry
+                stamp = (None,)
         return tuple(argv) + stamp
 
     def cached(self, argv) -> PlanResult | None:

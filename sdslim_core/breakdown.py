@@ -60,19 +60,29 @@ def weight_bytes(shapes: Mapping[str, tuple], bytes_per_param: int = 2) -> dict[
     return {k: v * bytes_per_param for k, v in count(shapes, "exact").items()}
 
 
+def table_rows(original: Mapping[str, int], slim: Mapping[str, int] | None = None) -> list[tuple]:
+    """(label, params, share of the total, slim params or None, slim/original ratio or None) per table row."""
+    total = original["total"] or 1
+    out = []
+    for row in ROWS + ("total", "feedforward"):
+        name = "(FeedForward)" if row == "feedforward" else row.capitalize() if row != "resnet" else "ResNet"
+        ratio = None
+        if slim:
+            ratio = slim[row] / original[row] if original[row] else 1.0
+        out.append((name, original[row], original[row] / total, slim[row] if slim else None, ratio))
+    return out
+
+
 def format_table(original: Mapping[str, int], slim: Mapping[str, int] | None = None, title: str = "") -> str:
     """A plain-text table with shares of the total (and the slim column with its ratio, when given)."""
-    total = original["total"] or 1
     head = f"{'component':<14}{'params':>16}{'share':>8}"
     if slim:
         head += f"{'slim':>16}{'ratio':>8}"
     lines = [title] if title else []
     lines += [head, "-" * len(head)]
-    for row in ROWS + ("total", "feedforward"):
-        name = "(FeedForward)" if row == "feedforward" else row.capitalize() if row != "resnet" else "ResNet"
-        line = f"{name:<14}{original[row]:>16,}{100 * original[row] / total:>7.1f}%"
+    for name, n, share, n_slim, ratio in table_rows(original, slim):
+        line = f"{name:<14}{n:>16,}{100 * share:>7.1f}%"
         if slim:
-            ratio = slim[row] / original[row] if original[row] else 1.0
-            line += f"{slim[row]:>16,}{ratio:>7.2f}x"
+            line += f"{n_slim:>16,}{ratio:>7.2f}x"
         lines.append(line)
     return "\n".join(lines)

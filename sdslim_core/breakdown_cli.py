@@ -21,25 +21,28 @@ def canonical_shapes_for_file(path) -> tuple[dict, layout.UNetConfig]:
     return ckpt.weights.shapes(), ckpt.config
 
 
+def breakdown_result(arch: str | None = None, ckpt=None, mode: str = "exact", ratio: float | None = None) -> dict:
+    """What ``sdslim breakdown --json`` prints: rows of ``arch`` or of the checkpoint ``ckpt``, and the slim rows
+    under ``"slim"`` when ``ratio`` is given (``"footnote"`` for the SDXL seed table)."""
+    shapes, cfg = canonical_shapes_for_arch(arch) if arch else canonical_shapes_for_file(ckpt)
+    result = {"family": cfg.family, "mode": mode, **breakdown.count(shapes, mode, cfg.family)}
+    if ratio is not None:
+        ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
+        result["slim"] = {"ratio": ratio, **breakdown.count(fold.slim_shapes(shapes, ranks), mode, cfg.family)}
+    if mode == "seed" and cfg.family == "sdxl":
+        result["footnote"] = breakdown.SEED_FOOTNOTE
+    return result
+
+
 def run(args) -> int:
-    shapes, cfg = canonical_shapes_for_arch(args.arch) if args.arch else canonical_shapes_for_file(args.ckpt)
-    rows = breakdown.count(shapes, args.mode, cfg.family)
-    result = {"family": cfg.family, "mode": args.mode, **rows}
-    slim_rows = None
-    if args.ratio is not None:
-        ranks = adapters.ranks_for_ratio(layout.sites(shapes), args.ratio)
-        slim_rows = breakdown.count(fold.slim_shapes(shapes, ranks), args.mode, cfg.family)
-        result["slim"] = {"ratio": args.ratio, **slim_rows}
-    footnote = breakdown.SEED_FOOTNOTE if args.mode == "seed" and cfg.family == "sdxl" else ""
-    if footnote:
-        result["footnote"] = footnote
+    result = breakdown_result(args.arch, args.ckpt, args.mode, args.ratio)
     if args.json:
         print(json.dumps(result))
     else:
-        title = f"{cfg.family} UNet parameters ({args.mode} count)"
-        print(breakdown.format_table(rows, slim_rows, title), file=sys.stderr)
-        if footnote:
-            print("\nNote: " + footnote, file=sys.stderr)
+        title = f"{result['family']} UNet parameters ({args.mode} count)"
+        print(breakdown.format_table(result, result.get("slim"), title), file=sys.stderr)
+        if "footnote" in result:
+            print("\nNote: " + result["footnote"], file=sys.stderr)
     return 0
 
 

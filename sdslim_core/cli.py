@@ -17,7 +17,16 @@ COMMAND_MODULES = (
     "sdslim_core.evaluate_cli",
     "sdslim_core.vram.cli",
     "sdslim_core.demo",
+    "sdslim_core.ui.cli",
 )
+
+# What a command's bad input raises; the message is shown as it is (CLI and ``sdslim ui`` alike).
+USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency)
+
+
+def error_text(command: str, err: BaseException) -> str:
+    """The one-line error ``sdslim COMMAND`` prints for a bad input."""
+    return f"sdslim {command}: error: {err}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +51,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, MissingDependency) as err:
-        print(f"sdslim {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        print(error_text(args.command, err), file=sys.stderr)
         return 2
 
 

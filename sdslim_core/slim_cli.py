@@ -16,24 +16,24 @@ def _progress(enabled: bool):
     return show
 
 
+def summary_text(result, loras) -> str:
+    """The human-readable lines ``sdslim slim`` prints for a :class:`~sdslim_core.slim.SlimResult`."""
+    lines = [result.merge.summary()] if loras else [f"warning: {w}" for w in result.warnings]
+    lines.append(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
+                 f"{result.unet_params_after / 1e6:.1f}M parameters ({result.to_dict()['ratio']:.2f}x); wrote "
+                 f"{result.out} ({result.file_bytes / 2 ** 20:.1f} MiB) in {result.seconds:.1f} s")
+    return "\n".join(line for line in lines if line)
+
+
 def run(args) -> int:
     from .slim import slim_checkpoint
     loras = [parse_lora_arg(x) for x in args.lora]
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
                              progress=_progress(not args.json and sys.stderr.isatty()))
-    info = result.to_dict()
     if args.json:
-        print(json.dumps(info))
-        return 0
-    rep = result.merge
-    if loras:
-        print(rep.summary(), file=sys.stderr)
+        print(json.dumps(result.to_dict()))
     else:
-        for w in result.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-    print(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
-          f"{result.unet_params_after / 1e6:.1f}M parameters ({info['ratio']:.2f}x); wrote {result.out} "
-          f"({result.file_bytes / 2 ** 20:.1f} MiB) in {result.seconds:.1f} s", file=sys.stderr)
+        print(summary_text(result, loras), file=sys.stderr)
     return 0
 
 

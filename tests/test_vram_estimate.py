@@ -36,9 +36,12 @@ ENTRIES = [  # (name, settings, baseline, batch sizes)
 ]
 
 
+PROGRESS = []  # the worker's progress lines, as run_worker(on_progress=...) receives them
+
+
 @pytest.fixture(scope="module")
 def results():
-    return {r.name: r for r in estimate_many(ENTRIES, env=ENV, timeout=900)}
+    return {r.name: r for r in estimate_many(ENTRIES, env=ENV, timeout=900, on_progress=PROGRESS.append)}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +127,11 @@ def test_result_contract(results):
     assert json.loads(json.dumps(d))["settings"]["precision"] == "fp32"
     text = results["fp32"].format_text()
     assert "B=2" in text and "optimizer step" in text
+
+
+def test_progress_lines_one_per_point(results):
+    points = [ln.strip().split(" peak ")[0] for ln in PROGRESS if " peak " in ln]
+    assert points == [f"{name}: B={b}" for name, _, _, batches in ENTRIES for b in batches]
 
 
 def test_fallback_without_compiler(tmp_path):

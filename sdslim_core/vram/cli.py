@@ -3,6 +3,7 @@ import json
 import os
 import sys
 
+from ..cli import error_text
 from .settings import (ARCHS, ATTENTIONS, DEFAULT_BATCH_SIZES, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings,
                        parse_batch_sizes, select_matrix, settings_from_ckpt, with_overrides)
 
@@ -90,27 +91,35 @@ def cmd_estimate(args) -> int:
     try:
         return _estimate(args)
     except (RuntimeError, subprocess.TimeoutExpired) as err:
-        print(f"sdslim vram estimate: error: {err}", file=sys.stderr)
+        print(error_text("vram estimate", err), file=sys.stderr)
         return 1
 
 
-def _estimate(args) -> int:
+def estimate_results(args, **worker_kw) -> list:
+    """The curves ``sdslim vram estimate`` computes for parsed ``args`` (``worker_kw``: see ``run_worker``)."""
     from . import estimate
     batches = parse_batch_sizes(args.batch_sizes)
-    progress = not args.json
-    worker = dict(timeout=args.timeout, echo_progress=progress)
     if args.matrix:
         entries = with_overrides(select_matrix(args.matrix), args.arch, args.resolution)
-        results = estimate.estimate_many(entries, batches, **worker)
-        obj = {"curves": [r.to_dict() for r in results]}
-    elif args.sampling:
-        results = estimate.estimate_sampling(settings_from_args(args), batches, **worker)
-        obj = results[-1].to_dict()
-        if len(results) > 1:
-            obj["original"] = results[0].to_dict()
-    else:
-        results = [estimate.estimate(settings_from_args(args), batches, **worker)]
-        obj = results[0].to_dict()
+        return estimate.estimate_many(entries, batches, **worker_kw)
+    if args.sampling:
+        return estimate.estimate_sampling(settings_from_args(args), batches, **worker_kw)
+    return [estimate.estimate(settings_from_args(args), batches, **worker_kw)]
+
+
+def results_json(args, results) -> dict:
+    """The object ``sdslim vram estimate --json`` prints for ``results`` of ``estimate_results(args)``."""
+    if args.matrix:
+        return {"curves": [r.to_dict() for r in results]}
+    obj = results[-1].to_dict()
+    if args.sampling and len(results) > 1:
+        obj["original"] = results[0].to_dict()
+    return obj
+
+
+def _estimate(args) -> int:
+    results = estimate_results(args, timeout=args.timeout, echo_progress=not args.json)
+    obj = results_json(args, results)
     for w in sorted({w for r in results for w in r.warnings}):
         print(f"warning: {w}", file=sys.stderr)
     if args.out:

@@ -8,16 +8,38 @@ shim must be loaded before torch, and callers (ComfyUI, A1111) have imported tor
     result = estimate(Settings(arch="sd15", resolution=768, lora_rank=16), batch_sizes=(1, 2, 4))
     print(result.format_text())
 """
+import collections
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 from .fit import CurveFit, classify, fit_curve, kink_note
 from .settings import Settings, select_matrix
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The tracker's storage categories, grouped as a VRAM budget is read. Autocast's bf16 weight copies are made
+# during the forward pass and count as activations; a category not listed here counts as workspace.
+BREAKDOWN_GROUPS = {
+    "weights": ("param", "frozen", "buffer", "te_vae"),
+    "gradients": ("grad",),
+    "optimizer state": ("opt_state",),
+    "activations": ("act", "data"),
+    "workspace": ("bwd_tmp", "opt_tmp"),
+}
+
+
+def grouped_breakdown(breakdown_gib: dict) -> dict:
+    """{group: GiB} of a point's ``breakdown_gib`` (every group present; they sum to the point's peak)."""
+    groups = dict.fromkeys(BREAKDOWN_GROUPS, 0.0)
+    owner = {c: g for g, cats in BREAKDOWN_GROUPS.items() for c in cats}
+    for category, gib in breakdown_gib.items():
+        groups[owner.get(category, "workspace")] += gib
+    return groups
 
 
 @dataclass
@@ -65,18 +87,64 @@ class EstimateResult:
         return "\n".join(lines)
 
 
-def run_worker(jobs, *, timeout=None, echo_progress=False, env=None) -> list:
-    """Run ``[(name, Settings, batch_sizes)]`` in one worker process; returns its raw JSON results."""
+class EstimateCancelled(RuntimeError):
+    """The estimate was cancelled: its worker process was stopped before it finished."""
+
+
+def run_worker(jobs, *, timeout=None, echo_progress=False, env=None, on_progress=None, cancel=None) -> list:
+    """Run ``[(name, Settings, batch_sizes)]`` in one worker process; returns its raw JSON results.
+
+    ``on_progress(line)`` receives each line the worker writes to stderr (one per measured point, e.g.
+    ``"  estimate: B=2 peak 2.22 GiB (bwd)"``); ``echo_progress`` copies them to this process's stderr.
+    Setting ``cancel`` (a ``threading.Event``) stops the worker and raises :class:`EstimateCancelled`;
+    ``timeout`` seconds stop it with ``subprocess.TimeoutExpired``.
+    """
     request = {"jobs": [{"name": n, "settings": s.to_dict(), "batch_sizes": list(b)} for n, s, b in jobs]}
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, child_env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "sdslim_core.vram.estimate_worker"], input=json.dumps(request),
-                          stdout=subprocess.PIPE, stderr=None if echo_progress else subprocess.PIPE,
-                          text=True, timeout=timeout, env=child_env)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    cmd = [sys.executable, "-m", "sdslim_core.vram.estimate_worker"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env)
+    tail, stdout = collections.deque(maxlen=200), []
+
+    def pump_stderr():
+        for line in proc.stderr:
+            tail.append(line)
+            if echo_progress:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            if on_progress is not None:
+                on_progress(line.rstrip("\n"))
+
+    readers = [threading.Thread(target=pump_stderr, daemon=True),
+               threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.stdin.write(json.dumps(request))
+        proc.stdin.close()
+    except BrokenPipeError:  # the worker died at start; its stderr says why
+        pass
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            proc.wait(timeout=0.1)
+            break
+        except subprocess.TimeoutExpired:
+            stop = EstimateCancelled("estimate cancelled") if cancel is not None and cancel.is_set() else None
+            if stop is None and deadline is not None and time.monotonic() > deadline:
+                stop = subprocess.TimeoutExpired(cmd, timeout)
+            if stop is not None:
+                proc.kill()
+                proc.wait()
+                for t in readers:
+                    t.join()
+                raise stop from None
+    for t in readers:
+        t.join()
+    results = [json.loads(line) for line in "".join(stdout).splitlines() if line.startswith("{")]
     if proc.returncode or len(results) != len(jobs):
-        tail = (proc.stderr or "")[-2000:]
-        raise RuntimeError(f"estimate worker failed (exit {proc.returncode}): {tail}")
+        raise RuntimeError(f"estimate worker failed (exit {proc.returncode}): {''.join(tail)[-2000:]}")
     return results
 
 

@@ -5,6 +5,7 @@ linear in the batch size B (activations are per sample), the optimizer-step peak
 states + the step's temporaries) does not depend on B. Each point carries ``line_gib`` (the peak
 outside the optimizer step) and ``plateau_gib`` (the optimizer step's peak, None for sampling).
 """
+import math
 from dataclasses import asdict, dataclass
 
 # classification thresholds, relative to the baseline curve
@@ -50,6 +51,19 @@ def fit_curve(points) -> CurveFit:
     else:
         kink = (plateau - a) / b if b > 0 else None
     return CurveFit(a, b, plateau, kink, resid)
+
+
+def largest_batch(fit: CurveFit, budget_gib: float) -> int | None:
+    """The largest batch size B >= 1 with ``fit.predict(B) <= budget_gib``: 0 when not even B=1 fits, None when
+    every B fits (a flat fit)."""
+    if fit.predict(1) > budget_gib:
+        return 0
+    if fit.slope_gib <= 0:
+        return None
+    b = math.floor((budget_gib - fit.intercept_gib) / fit.slope_gib)
+    while b > 1 and fit.predict(b) > budget_gib:  # float rounding at the boundary
+        b -= 1
+    return max(b, 1)
 
 
 def classify(base: CurveFit, fit: CurveFit) -> str:

@@ -7,13 +7,16 @@ same colour as the curve of the same name.
 from .. import optional
 
 
-def plot_curves(curves, path, title, overlay=(), overlay_label="estimate", ylabel="peak VRAM (GiB)"):
-    matplotlib = optional.require("matplotlib", "the VRAM plot")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure_curves(curves, title, overlay=(), overlay_label="estimate", ylabel="peak VRAM (GiB)", limit=None,
+                  size=None):
+    """The plot as a ``matplotlib.figure.Figure`` (no pyplot state). ``limit``: (GiB, label) drawn as a
+    horizontal red line in every panel, e.g. the GPU's memory."""
+    optional.require("matplotlib", "the VRAM plot")
+    from matplotlib.figure import Figure
 
     groups = list(dict.fromkeys(c.get("group", "") for c in curves))
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.0 * len(groups), 4.4), squeeze=False)
+    fig = Figure(figsize=size or (6.0 * len(groups), 4.4))
+    axes = fig.subplots(1, len(groups), squeeze=False)
     over = {c["name"]: c for c in overlay}
     for ax, group in zip(axes[0], groups):
         for i, c in enumerate(x for x in curves if x.get("group", "") == group):
@@ -24,7 +27,10 @@ def plot_curves(curves, path, title, overlay=(), overlay_label="estimate", ylabe
             if c["name"] in over:
                 opts = over[c["name"]]["points"]
                 ax.plot([p["batch"] for p in opts], [p["peak_gib"] for p in opts], "--", color=color, lw=1.0)
-        ax.set_title(group or title, fontsize=10)
+        if limit is not None:
+            ax.axhline(limit[0], color="tab:red", lw=1.2, ls="-", label=limit[1])
+        if group or len(groups) > 1:
+            ax.set_title(group, fontsize=10)
         ax.set_xlabel("batch size")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -34,6 +40,9 @@ def plot_curves(curves, path, title, overlay=(), overlay_label="estimate", ylabe
         axes[0][0].legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
+
+
+def plot_curves(curves, path, title, overlay=(), overlay_label="estimate", ylabel="peak VRAM (GiB)"):
+    figure_curves(curves, title, overlay, overlay_label, ylabel).savefig(path, dpi=90)
     return path

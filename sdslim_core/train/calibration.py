@@ -203,6 +203,25 @@ class InputBank:
     def eval_ids(self) -> torch.Tensor:
         return torch.nonzero(self.is_eval).flatten()
 
+    def cfg_pairs(self, ids: torch.Tensor) -> torch.Tensor:
+        """[P, 2] (unconditional row, conditional row) of the same CFG call among ``ids``: same trajectory, timestep
+        and latent, the unconditional one on the last context row (empty for a bank without CFG)."""
+        uncond = self.contexts.shape[0] - 1
+        ids = ids.long().tolist()
+        first = {}
+        for i in ids:
+            if int(self.ctx[i]) == uncond:
+                first.setdefault((int(self.group[i]), float(self.t[i])), []).append(i)
+        pairs = []
+        for i in ids:
+            if int(self.ctx[i]) == uncond:
+                continue
+            for j in first.get((int(self.group[i]), float(self.t[i])), ()):
+                if torch.equal(self.x[i], self.x[j]):
+                    pairs.append((j, i))
+                    break
+        return torch.tensor(pairs, dtype=torch.long).view(-1, 2)
+
     def batch(self, ids: torch.Tensor, device=None, dtype=None) -> dict:
         """UNet keyword inputs for rows ``ids``: sample, timestep, encoder_hidden_states[, added_cond_kwargs]."""
         ids = ids.long()

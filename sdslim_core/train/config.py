@@ -7,11 +7,12 @@ import re
 
 # Only these fields change what a run computes; a --resume refuses a work dir made with other values.
 _RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform", "allocation", "alloc_inputs",
-               "budget_bytes_per_param", "stage1_steps",
-               "stage2_steps", "ff_batch_tokens", "res_batch", "stage2_batch", "lr1", "lr2", "p0", "p_full_at",
-               "feature_loss", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance", "sampler", "latent_size",
-               "n_noised", "ff_inputs", "tokens_per_sample", "ff_tokens", "res_maps", "eval_fraction", "init_methods",
-               "rank_grid", "seed", "calib_dtype", "teacher_dtype", "optimizer", "amp", "grad_ckpt")
+               "budget_bytes_per_param", "stage1_steps", "stage2_steps", "ff_batch_tokens", "res_batch",
+               "stage2_batch", "lr1", "lr2", "p0", "p_full_at", "feature_loss", "guided_loss", "control_prob",
+               "lora_prob", "lora_scale", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance",
+               "sampler", "latent_size", "n_noised", "ff_inputs", "tokens_per_sample", "ff_tokens", "res_maps",
+               "eval_fraction", "init_methods", "rank_grid", "seed", "calib_dtype", "teacher_dtype", "optimizer",
+               "amp", "grad_ckpt")
 
 
 @dataclasses.dataclass
@@ -62,6 +63,10 @@ class TrainConfig:
     p0: float = 0.3                        # replacement probability at step 0 ...
     p_full_at: float = 0.7                 # ... reaching 1 at this fraction of stage 2
     feature_loss: float = 0.0              # weight of the normalised per-site feature loss (0 = output loss only)
+    guided_loss: float = 1.0               # weight of the loss on the CFG-guided eps (steps train on CFG pairs)
+    control_prob: float = 0.5              # share of steps with random ControlNet-like residuals (train/augment.py)
+    lora_prob: float = 0.5                 # share of steps with random LoRA-like deltas of the fold's layers
+    lora_scale: float = 0.25               # largest relative norm of those deltas
     stage2_groups: int | str = "auto"      # sites trained in this many groups, one after another (VRAM); auto:
                                            # 1 unless the adapters + optimizer of all sites would not fit the GPU
     grad_clip: float = 1.0
@@ -103,6 +108,8 @@ class TrainConfig:
             parse_budget(self.budget, self.budget_bytes_per_param)
         if self.stage1_steps < 0 or self.stage2_steps < 0:
             raise ValueError("step counts must be ≥ 0")
+        if not 0 <= self.control_prob <= 1 or not 0 <= self.lora_prob <= 1 or self.guided_loss < 0:
+            raise ValueError("control_prob and lora_prob must be in [0, 1] and guided_loss ≥ 0")
         if not 0 <= self.p0 <= 1 or not 0 < self.p_full_at <= 1:
             raise ValueError("p0 must be in [0, 1] and p_full_at in (0, 1]")
         if not 0 < self.eval_fraction < 1:

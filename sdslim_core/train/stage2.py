@@ -2,6 +2,10 @@
 p(t) = min(1, p0 + k·t) (k such that p = 1 at ``p_full_at`` of the steps), trained on the UNet output against
 the teacher's (recorded during calibration, so no teacher pass and no grad for it here).
 
+What users plug in is part of the objective: steps train on the two halves of a CFG call and add a loss on the
+guided ε (guidance amplifies errors), and a share of steps adds random ControlNet-like residuals and/or random
+LoRA-like weight deltas (:mod:`augment`), with the teacher run on the same augmented input as the target.
+
 A bypassed site runs the teacher's own module (exact); gate decisions are drawn before each step from a
 generator keyed by (seed, step), so they are identical on every process and under gradient-checkpoint
 recomputation. Data-parallel over processes: each takes its slice of the global batch and gradients are averaged.
@@ -10,6 +14,7 @@ adapters are kept (so stage 2 never ends worse than stage 1 on that measure, whi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -18,6 +23,7 @@ import torch
 from .. import layout
 from ..adapters import AdapterSet
 from . import checkpoint
+from .augment import Augmenter
 from .calibration import InputBank, _gen, unet_call
 from .sites import FeatureRecorder, gated_tree, set_gates
 from .stage1 import batch_ids, eval_interval, lr_at
@@ -28,6 +34,12 @@ def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     losses equals the single-process loss of the whole batch)."""
     dims = tuple(range(1, out.dim()))
     return ((out - target).pow(2).mean(dims) / target.pow(2).mean(dims).clamp_min(1e-12)).mean()
+
+
+def guided(eps: torch.Tensor, guidance: float) -> torch.Tensor:
+    """CFG combination of a batch laid out as [unconditional halves; conditional halves]."""
+    e_u, e_c = eps.chunk(2)
+    return e_u + guidance * (e_c - e_u)
 
 
 def p_replace(step: int, total: int, p0: float, p_full_at: float) -> float:
@@ -211,6 +223,11 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
         before_all = before if before_all is None else before_all
         every = eval_interval(total)
         fit = bank.fit_ids()
+        pairs = bank.cfg_pairs(fit) if tc.guided_loss and tc.guidance != 1.0 else torch.empty(0, 2)
+        aug = None
+        if len(groups) == 1 and (tc.control_prob or tc.lora_prob):     # the gates-off tree must be the teacher
+            aug = Augmenter(run.teacher_on_device(), bank, group, run.cfg, tc.seed, tc.control_prob, tc.lora_prob,
+                            tc.lora_scale, device=run.device, dtype=run.compute_dtype, amp=run.amp)
         world, rank = run.topo.world, run.topo.rank
         gbs = tc.stage2_batch * world
         run.progress.skip(offsets[g] + start)
@@ -219,25 +236,43 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
             gstep = offsets[g] + step
             p = p_replace(step, total, tc.p0, tc.p_full_at)
             u = torch.rand(len(group), generator=_gen(tc.seed, 71, gstep))
-            set_gates(gates, {s: bool(u[j] < p) for j, s in enumerate(group)})
+            decisions = {s: bool(u[j] < p) for j, s in enumerate(group)}
             for pg in opt.param_groups:
                 pg["lr"] = lr_at(step, total, tc.lr2)
-            rows = fit[batch_ids(fit.numel(), gbs, gstep, (tc.seed, 72))]
-            mine = rows[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else rows
+            if len(pairs):
+                chosen = pairs[batch_ids(len(pairs), gbs, gstep, (tc.seed, 72))]
+                chosen = chosen[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else chosen
+                mine = torch.cat([chosen[:, 0], chosen[:, 1]])
+            else:
+                rows = fit[batch_ids(fit.numel(), gbs, gstep, (tc.seed, 72))]
+                mine = rows[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else rows
             inputs = bank.batch(mine, run.device, run.compute_dtype)
-            target = bank.eps[mine].to(run.device)
-            if feature is not None:
-                feature.start()
-            with run.amp():
-                out = unet_call(tree, inputs)
-            loss = normalised_mse(out.float(), target)
-            if feature is not None:
-                feature.stop()
-                losses = feature.losses()
-                if losses:
-                    loss = loss + tc.feature_loss * torch.stack(losses).mean()
-                feature.pairs = []
-            loss.backward()
+            control, perturb = aug.draw(gstep) if aug is not None else (False, False)
+            with aug.weight_deltas(gstep) if perturb else contextlib.nullcontext():
+                if control:
+                    inputs.update(aug.residuals(gstep, mine.numel(), run.device, run.compute_dtype))
+                if control or perturb:
+                    set_gates(gates, False)
+                    with torch.no_grad(), run.amp():
+                        target = unet_call(tree, inputs).float()
+                else:
+                    target = bank.eps[mine].to(run.device)
+                set_gates(gates, decisions)
+                if feature is not None:
+                    feature.start()
+                with run.amp():
+                    out = unet_call(tree, inputs)
+                loss = normalised_mse(out.float(), target)
+                if len(pairs):
+                    loss = loss + tc.guided_loss * normalised_mse(guided(out.float(), tc.guidance),
+                                                                  guided(target, tc.guidance))
+                if feature is not None:
+                    feature.stop()
+                    losses = feature.losses()
+                    if losses:
+                        loss = loss + tc.feature_loss * torch.stack(losses).mean()
+                    feature.pairs = []
+                loss.backward()
             grads = [q.grad for q in params if q.grad is not None]
             run.topo.all_reduce_mean_(grads)
             if tc.grad_clip:

@@ -248,15 +248,21 @@ def test_sampling_lowvram_and_lora_after_slim(comfy, tiny, adapter_dir, caplog):
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=patcher, adapters="half.safetensors", strength=1.0,
                                                      enable=True).args
     late = _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj"], seed=7)
-    slim_lora, _ = comfy["sd"].load_lora_for_models(slim, None, late, 1.0, 0.0)
-    # sampling through ComfyUI's KSampler path; the misfit FF key is named in a warning
+    with caplog.at_level(logging.WARNING):
+        slim_lora, _ = comfy["sd"].load_lora_for_models(slim, None, late, 1.0, 0.0)
+    # the misfit FF key is dropped when the LoRA is added, with one message naming it (and no "NOT LOADED")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "sdslim" in r.getMessage()
+            ] == [m for m in [r.getMessage() for r in caplog.records] if f"{FF}.net.0.proj.weight" in m]
+    assert len(caplog.records) == 1 and "not applied" in caplog.records[0].getMessage()
+    assert list(slim_lora.patches) == [f"diffusion_model.{ATTN}.weight"]
+    caplog.clear()
+    # sampling through ComfyUI's KSampler path: no ERROR (shape) lines from ComfyUI's patch math, no more warnings
     cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
     latent = {"samples": torch.zeros(1, 4, 16, 16)}
-    with caplog.at_level(logging.WARNING, logger="sdslim"):
+    with caplog.at_level(logging.WARNING):
         (out,) = comfy["nodes"].common_ksampler(slim_lora, 1, 2, 5.0, "euler", "normal", cond, cond, latent)
     assert torch.isfinite(out["samples"]).all() and out["samples"].abs().sum() > 0
-    misfit = [r.getMessage() for r in caplog.records if "was made for" in r.getMessage()]
-    assert len(misfit) == 1 and f"{FF}.net.0.proj.weight" in misfit[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     record = comfy["pack"].nodes.monitor.LAST_SAMPLING
     assert record["slim"] and record["seconds"] > 0 and record["latent_shape"] == [1, 4, 16, 16]
 
@@ -428,8 +434,9 @@ def test_recorded_signatures_match_this_comfyui(comfy):
         import signatures
     finally:
         sys.path.pop(0)
-    recorded = json.load(open(signatures.JSON_PATH))["names"]
-    assert signatures.record() == recorded
+    recorded = json.load(open(signatures.JSON_PATH))
+    assert signatures.record() == recorded["names"]
+    assert signatures.record_fields() == recorded["modelpatcher_fields"]
 
 
 def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapter_dir, monkeypatch):
@@ -469,3 +476,142 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     _assert_unchanged(with_lora, snap)
     with pytest.raises(ValueError, match="needs calibration conditioning"):
         node.execute(model=with_lora, filename="x", ratio=0.5, steps=2, seed=0)
+
+
+# ------------------------------------------------------------- the slim model is model.clone() on a new UNet
+
+def _cond(seed=2):
+    return [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(seed)), {}]]
+
+
+def _sample(comfy, model, positive=None, negative=None, steps=2):
+    latent = {"samples": torch.zeros(1, 4, 16, 16)}
+    (out,) = comfy["nodes"].common_ksampler(model, 1, steps, 5.0, "euler", "normal", positive or _cond(),
+                                            negative or _cond(), latent)
+    return out["samples"]
+
+
+def _slim(comfy, model, adapters="half.safetensors"):
+    return _node(comfy, "SdslimSlimUNet").execute(model=model, adapters=adapters, strength=1.0, enable=True).args[0]
+
+
+def test_torch_compile_before_slim_is_dropped_and_after_slim_compiles_the_slim_unet(comfy, tiny, adapter_dir,
+                                                                                   monkeypatch, caplog):
+    """TorchCompileModel's wrapper holds the compiled input UNet: carried over, it would run the teacher."""
+    import torch._dynamo
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)   # ComfyUI's UNet re-traces per block
+    patcher, _ = tiny
+    compiled_graphs = []
+
+    def backend(gm, example_inputs):          # a real torch.compile backend that runs the traced graph eagerly
+        compiled_graphs.append(gm)
+        return gm.forward
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    (compiled,) = TorchCompileModel.execute(patcher, "inductor").args      # compiles lazily, at the first call
+    with caplog.at_level(logging.WARNING, logger="sdslim"):
+        slim_after_compile = _slim(comfy, compiled)
+    assert any("torch.compile" in r.getMessage() and "after Slim UNet" in r.getMessage() for r in caplog.records)
+    assert "torch_compile_kwargs" not in slim_after_compile.model_options
+    slim = _slim(comfy, patcher)
+    teacher, reference = _sample(comfy, patcher), _sample(comfy, slim)
+    assert (teacher - reference).abs().max() > 1e-3
+    torch.testing.assert_close(_sample(comfy, slim_after_compile), reference)
+    compiled_slim = slim.clone()
+    set_torch_compile_wrapper(compiled_slim, backend=backend)      # TorchCompileModel's call, a compiler-free backend
+    torch.testing.assert_close(_sample(comfy, compiled_slim, steps=1), _sample(comfy, slim, steps=1),
+                               rtol=1e-4, atol=1e-4)
+    assert compiled_graphs                                          # compile after Slim UNet runs the slim UNet
+
+
+def _decorate(comfy, model, calls):
+    """A clone with an attention patch, a post-CFG function, an APPLY_MODEL wrapper and two callbacks that each
+    change the result (or count) in ``calls``."""
+    import comfy.patcher_extension as ext
+    m = model.clone()
+
+    def attn2(q, k, v, extra_options):
+        calls["attn2"] = calls.get("attn2", 0) + 1
+        return q * 0.8, k, v
+
+    def post_cfg(args):
+        calls["post_cfg"] = calls.get("post_cfg", 0) + 1
+        return args["denoised"] * 0.9
+
+    def apply_model(executor, *args, **kwargs):
+        calls["wrapper"] = calls.get("wrapper", 0) + 1
+        return executor(*args, **kwargs) * 1.05
+
+    def pre_run(patcher):
+        calls["pre_run"] = calls.get("pre_run", 0) + 1
+
+    def on_clone(orig, new):
+        calls["on_clone"] = calls.get("on_clone", 0) + 1
+    m.set_model_attn2_patch(attn2)
+    m.set_model_sampler_post_cfg_function(post_cfg)
+    m.add_wrapper_with_key(ext.WrappersMP.APPLY_MODEL, "test", apply_model)
+    m.add_callback_with_key(ext.CallbacksMP.ON_PRE_RUN, "test", pre_run)
+    m.add_callback_with_key(ext.CallbacksMP.ON_CLONE, "test", on_clone)
+    return m
+
+
+def test_patches_wrappers_callbacks_and_hooks_act_before_and_after_slim(comfy, tiny, adapter_dir, caplog):
+    """Issue 14: everything ComfyUI's clone() carries survives Slim UNet, set before it or after it."""
+    hooks_api = importlib.import_module("comfy.hooks")
+    patcher, weights = tiny
+    before_calls, after_calls = {}, {}
+    before = _slim(comfy, _decorate(comfy, patcher, before_calls))
+    assert before_calls == {"on_clone": 1}                       # Slim UNet clones the way ComfyUI does
+    after = _decorate(comfy, _slim(comfy, patcher), after_calls)
+    plain = _slim(comfy, patcher)
+    # a hook LoRA on the conditioning: attention keys fit the slim model, the FeedForward key does not
+    hook_lora = _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj"], seed=12)
+    hooks = hooks_api.create_hook_lora(hook_lora, strength_model=1.0, strength_clip=0.0)
+    hooked = hooks_api.set_hooks_for_conditioning(_cond(), hooks)
+    with caplog.at_level(logging.WARNING):
+        outs = {name: _sample(comfy, m, hooked, hooked) for name, m in (("before", before), ("after", after),
+                                                                           ("plain", plain))}
+        again = _sample(comfy, after, hooked, hooked)
+    unhooked = _sample(comfy, after)
+    torch.testing.assert_close(outs["before"], outs["after"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(again, outs["after"])
+    assert (outs["after"] - outs["plain"]).abs().max() > 1e-3      # the patches act ...
+    assert (outs["after"] - unhooked).abs().max() > 1e-3           # ... and so does the hook LoRA
+    for calls in (before_calls, after_calls):
+        assert {"attn2", "post_cfg", "wrapper", "pre_run"} <= set(calls), calls
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "hook" in warnings[0] and f"{FF}.net.0.proj.weight" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("budget", [0, 200_000])
+def test_slim_of_a_loaded_model_equals_slim_of_the_unloaded_one(comfy, tiny, adapter_dir, budget):
+    """The input MODEL may be loaded (LoRA merged in place, or lowvram weight functions) when Slim UNet runs."""
+    patcher, weights = tiny
+    comfy["mm"].unload_all_models()          # patched by hand below, not by another clone left loaded by a test
+    with_lora, _ = comfy["sd"].load_lora_for_models(
+        patcher, None, _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj", f"{RES}.in_layers.2"], seed=13), 1.0, 0.0)
+    x, t, ctx = _inputs()
+    with_lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
+    try:
+        loaded_ref = _forward(with_lora, x, t, ctx)
+        slim_loaded = _slim(comfy, with_lora)
+        assert not slim_loaded.model.model_lowvram and slim_loaded.model.model_loaded_weight_memory == 0
+        assert not slim_loaded.backup and slim_loaded.parent is None
+    finally:
+        with_lora.unpatch_model()
+    snap = _snapshot(with_lora)
+    slim_fresh = _slim(comfy, with_lora)
+    outs = []
+    for m in (slim_loaded, slim_fresh):
+        m.patch_model()
+        try:
+            outs.append(_forward(m, x, t, ctx))
+        finally:
+            m.unpatch_model()
+    torch.testing.assert_close(outs[0], outs[1])
+    with_lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
+    try:
+        torch.testing.assert_close(_forward(with_lora, x, t, ctx), loaded_ref)
+    finally:
+        with_lora.unpatch_model()
+    _assert_unchanged(with_lora, snap)

@@ -88,7 +88,10 @@ TRAIN = NodeSpec(
      In("clip", "CLIP", optional=True, tooltip="encodes 'prompts' when no conditioning is given"),
      In("prompts", "STRING", "", multiline=True, optional=True, tooltip="one calibration prompt per line"),
      In("budget", "STRING", "", optional=True,
-        tooltip="instead of ratio: UNet parameters ('600M') or weight bytes ('1.2GB') to keep")),
+        tooltip="instead of ratio: UNet parameters ('600M') or weight bytes ('1.2GB') to keep"),
+     In("latent_size", "INT", 0, 0, 512, 1, optional=True,
+        tooltip="calibration latent size (image size / 8); 0 = the model's native size: 64 for SD1.5, 96 for "
+                "SD2, 128 for SDXL, 8 for the tiny demo model")),
     (Out("STRING", "report"),),
     "train", output_node=True)
 

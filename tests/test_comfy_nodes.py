@@ -118,13 +118,24 @@ def test_folder_registration_keeps_yaml_paths_and_is_idempotent(pack, tmp_path):
     assert pack.paths.register(fp) == [default]
 
 
+def _adapter_file(path):
+    adapters.AdapterSet(family="sd15", sites={}, source=str(path)).save(path)
+
+
 def test_adapter_lookup_and_output_names(pack, tmp_path):
     fp = pack.folder_paths
     fp.folder_names_and_paths.clear()
     fp.folder_names_and_paths["sdslim"] = ([str(tmp_path)], {".safetensors"})
-    (tmp_path / "a.safetensors").write_bytes(b"")
+    _adapter_file(tmp_path / "a.safetensors")
     (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty.safetensors").write_bytes(b"")                       # not a safetensors file
+    from safetensors.torch import save_file
+    save_file({"lora_unet_x.lora_up.weight": torch.zeros(2, 2)}, str(tmp_path / "lora.safetensors"))
+    (tmp_path / "old.safetensors.work").mkdir()                              # a work folder of an older version
+    _adapter_file(tmp_path / "old.safetensors.work" / "init.safetensors")
     assert pack.paths.adapter_files(fp) == ["a.safetensors"]
+    assert pack.paths.work_dir(fp, pack.paths.output_path(fp, "sub/m")) == str(
+        tmp_path.parent / "sdslim_work" / "sub" / "m.safetensors.work")
     assert pack.paths.resolve(fp, "a.safetensors") == str(tmp_path / "a.safetensors")
     with pytest.raises(FileNotFoundError, match=r"'b\.safetensors' not found in models/sdslim.*" + str(tmp_path)):
         pack.paths.resolve(fp, "b.safetensors")
@@ -138,7 +149,7 @@ def test_v1_classes_follow_the_specs(pack, tmp_path):
     fp = pack.folder_paths
     fp.folder_names_and_paths.clear()
     fp.folder_names_and_paths["sdslim"] = ([str(tmp_path)], {".safetensors"})
-    (tmp_path / "half.safetensors").write_bytes(b"")
+    _adapter_file(tmp_path / "half.safetensors")
     classes = {s.node_id: pack.v1.node_class(s) for s in pack.specs.SPECS}
     slim = classes["SdslimSlimUNet"].INPUT_TYPES()
     assert list(slim["required"]) == ["model", "adapters", "strength", "enable"]

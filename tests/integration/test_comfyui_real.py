@@ -463,13 +463,40 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     snap = _snapshot(with_lora)
     cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
     node = _node(comfy, "SdslimTrainAdapters")
-    out = node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond)
+    work = adapter_dir.parent / "sdslim_work" / "trained.safetensors.work"
+    mm = comfy["mm"]
+    checks = {"n": 0}
+    real_check = mm.throw_exception_if_processing_interrupted
+
+    def cancel_after_20():                           # the user presses Cancel during training
+        checks["n"] += 1
+        if checks["n"] > 20:
+            raise mm.InterruptProcessingException()
+        real_check()
+    monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", cancel_after_20)
+    with pytest.raises(mm.InterruptProcessingException):
+        node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond, latent_size=6)
+    monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", real_check)
+    assert work.is_dir() and not list(adapter_dir.glob("*.work"))       # kept for the resume, outside models/sdslim
+    out = node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond,
+                       latent_size=6)                                   # resumes
     assert "adapters written to" in out.args[0] and out.ui.as_dict()["text"] == (out.args[0],)
+    assert not work.exists() and not any(p.is_dir() for p in adapter_dir.iterdir())   # removed after success
     aset = AdapterSet.load(adapter_dir / "trained.safetensors")
     assert aset.family == "sd15" and set(aset.sites) == {s.name for s in layout.sites(weights)}
-    node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond)   # resumes
-    again = AdapterSet.load(adapter_dir / "trained.safetensors")
-    assert all(torch.equal(again.state_dict()[k], v) for k, v in aset.state_dict().items())
+    assert aset.metadata["sdslim.train"]["config"]["latent_size"] == 6
+    node.execute(model=with_lora, filename="fresh", ratio=0.5, steps=2, seed=0, positive=cond, latent_size=6)
+    fresh = AdapterSet.load(adapter_dir / "fresh.safetensors")
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in aset.state_dict().items())   # resume is exact
+    monkeypatch.setattr(with_lora.model.model_config, "sdslim_latent_size", 4, raising=False)   # as the tiny loader
+    node.execute(model=with_lora, filename="native", ratio=0.5, steps=2, seed=0, positive=cond)
+    assert AdapterSet.load(adapter_dir / "native.safetensors").metadata["sdslim.train"]["config"]["latent_size"] == 4
+    # only sdslim adapter files are offered by Slim UNet (not LoRAs or other safetensors placed there)
+    from safetensors.torch import save_file
+    save_file(_kohya_lora(weights, [ATTN], seed=1), str(adapter_dir / "a_lora.safetensors"))
+    listed = _node(comfy, "SdslimSlimUNet").define_schema().inputs[1].options
+    assert {"trained.safetensors", "fresh.safetensors", "native.safetensors"} <= set(listed)
+    assert "a_lora.safetensors" not in listed and not any(".work" in n for n in listed)
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=with_lora, adapters="trained.safetensors", strength=1.0,
                                                      enable=True).args
     assert slim.model_size() < with_lora.model_size()

@@ -399,3 +399,22 @@ def test_report_sections(pack, model):
     ranks = slim.model.sdslim_info.ranks
     assert pack.report.slim_ratio(slim) == pytest.approx(sum(r / sites[s] for s, r in ranks.items()) / len(ranks))
     assert pack.report.slim_ratio(patcher) == 0.0
+
+
+def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
+    """fp16 weights are estimated as 2-byte weights; the original behind both inputs is estimated once; one
+    batch point prints no fit line; a sampling estimate names no optimizer."""
+    patcher, weights = model
+    slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
+    assert [pack.report.precision_of(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+            ] == ["fp32", "full-bf16", "full-bf16", "full-bf16"]
+    for m in (patcher, slim):
+        m.model_dtype = lambda: torch.float16                      # as ComfyUI keeps SD on a GPU
+    jobs = pack.report.estimate_jobs([("model", slim), ("model_b", patcher)], 64, 64)
+    assert [(n, s.precision, s.slim_ratio, base) for n, s, base in jobs] == [
+        ("sd15 original (float16)", "full-bf16", 0.0, "sd15 original (float16)"),
+        (f"model slim {round(pack.report.slim_ratio(slim), 3):g}", "full-bf16", round(pack.report.slim_ratio(slim), 3),
+         "sd15 original (float16)")]
+    text = "\n".join(pack.report.estimate_lines(jobs[:1], 64, 64, 1))
+    assert "2-byte weights" in text and "adamw" not in text and "fit:" not in text, text
+    assert "frozen 1.60" in text, text                             # SD1.5's 859.5 M weights × 2 bytes

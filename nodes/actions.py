@@ -68,3 +68,8 @@ def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts
     text = training.run(model, filename=filename, ratio=ratio, steps=steps, seed=seed, positive=positive,
                         clip=clip, prompts=prompts, budget=budget, latent_size=latent_size)
     return Result((text,), text)
+
+
+def tiny_demo() -> Result:
+    from . import tiny
+    return Result(tiny.load())

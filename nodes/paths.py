@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-from sdslim_core.adapters import is_adapter_file
-
 FOLDER = "sdslim"
 WORK_FOLDER = "sdslim_work"
 EXTENSIONS = frozenset({".safetensors"})
@@ -30,6 +28,14 @@ def register(folder_paths) -> list[str]:
     return list(table[FOLDER][0])
 
 
+def register_demo_assets(folder_paths, assets: str) -> None:
+    """Offer the shipped tiny demo files: the assets folder is searched after ``models/sdslim`` (its adapter file)
+    and after the user's LoRA folders (its LoRA; the other tiny_* files there are listed too)."""
+    for kind in (FOLDER, "loras"):
+        if kind in folder_paths.folder_names_and_paths and assets not in folder_paths.get_folder_paths(kind):
+            folder_paths.add_model_folder_path(kind, assets)
+
+
 def adapter_files(folder_paths) -> list[str]:
     """sdslim adapter files in ``models/sdslim`` (sorted names relative to their search path): files whose
     header says ``sdslim.format: sdslim-adapters``, outside training work folders."""
@@ -45,6 +51,7 @@ def adapter_files(folder_paths) -> list[str]:
 
 def _is_adapter(path: str) -> bool:
     """:func:`is_adapter_file`, remembered per (path, size, mtime): the list is asked for on every page load."""
+    from sdslim_core.adapters import is_adapter_file
     st = os.stat(path)
     key = (path, st.st_size, st.st_mtime_ns)
     if key not in _HEADER_CHECKS:

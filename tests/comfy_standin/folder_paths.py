@@ -26,3 +26,10 @@ def get_full_path(folder_name, filename):
         if os.path.isfile(full):
             return full
     return None
+
+
+def add_model_folder_path(folder_name, full_folder_path, is_default=False):
+    paths, exts = folder_names_and_paths.setdefault(folder_name, ([], set()))
+    if full_folder_path in paths:
+        paths.remove(full_folder_path)
+    paths.insert(0, full_folder_path) if is_default else paths.append(full_folder_path)

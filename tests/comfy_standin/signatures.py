@@ -49,6 +49,7 @@ NAMES = (
     "folder_paths.get_folder_paths",
     "folder_paths.get_filename_list",
     "folder_paths.get_full_path",
+    "folder_paths.add_model_folder_path",
 )
 # ModelPatcher instance fields that nodes/folding.py resets when it points a clone at the slim model
 FIELDS = ("model", "size", "patches", "patches_uuid", "backup", "object_patches", "object_patches_backup",

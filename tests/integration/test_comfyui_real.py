@@ -167,7 +167,7 @@ def test_registration_v3_v1_and_folder(comfy, adapter_dir):
     classes = _v3_classes(comfy)
     ids = {c.define_schema().node_id for c in classes}
     assert ids == {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor",
-                   "SdslimUNetBreakdown"}
+                   "SdslimUNetBreakdown", "SdslimTinyDemo"}
     slim_schema = _node(comfy, "SdslimSlimUNet").GET_SCHEMA() if hasattr(classes[0], "GET_SCHEMA") else None
     assert slim_schema is None or slim_schema.node_id == "SdslimSlimUNet"
     v1, names = comfy["pack"].nodes.entry.v1_mappings()
@@ -379,7 +379,8 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
     (tmp_path / "custom_nodes").mkdir()
     (tmp_path / "custom_nodes" / "sdslim").symlink_to(ROOT)
     (tmp_path / "adapters").mkdir()
-    (tmp_path / "adapters" / "from_yaml.safetensors").write_bytes(b"")
+    from sdslim_core.adapters import AdapterSet
+    AdapterSet(family="sd15", sites={}, source="x").save(tmp_path / "adapters" / "from_yaml.safetensors")
     (tmp_path / "extra.yaml").write_text(f"test:\n  custom_nodes: {tmp_path / 'custom_nodes'}\n"
                                          f"  sdslim: {tmp_path / 'adapters'}\n")
     with socket.socket() as s:
@@ -399,28 +400,40 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
                 assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
         info = _get(base + "/object_info")
-        ids = {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor", "SdslimUNetBreakdown"}
+        ids = {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor", "SdslimUNetBreakdown",
+               "SdslimTinyDemo"}
         assert ids <= set(info), (tmp_path / "server.log").read_text()[-3000:]
         assert "from_yaml.safetensors" in info["SdslimSlimUNet"]["input"]["required"]["adapters"][1]["options"]
-        workflows = os.path.join(ROOT, "workflows")
-        for name in sorted(os.listdir(workflows)):
-            graph = json.load(open(os.path.join(workflows, name)))
-            types = {n["type"] for n in graph["nodes"]} if "nodes" in graph else {n["class_type"] for n in graph.values()}
-            assert types <= set(info), (name, types - set(info))
-        prompt = json.load(open(os.path.join(workflows, "vram_report_only.api.json")))
-        req = urllib.request.Request(base + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            prompt_id = json.load(r)["prompt_id"]
-        for _ in range(240):
-            history = _get(f"{base}/history/{prompt_id}")
-            if prompt_id in history:
-                break
-            time.sleep(0.5)
-        entry = history[prompt_id]
-        assert entry["status"]["status_str"] == "success", entry["status"]
-        text = entry["outputs"]["1"]["text"][0]
+        workflows = os.path.join(ROOT, "example_workflows")
+        names = sorted(f for f in os.listdir(workflows) if f.endswith(".json"))
+        assert names == sorted(os.listdir(os.path.join(workflows, "api")))      # each in UI and API format
+        for name in names:
+            for graph in (json.load(open(os.path.join(workflows, name))),
+                          json.load(open(os.path.join(workflows, "api", name)))):
+                types = {n["type"] for n in graph["nodes"]} if "nodes" in graph else \
+                    {n["class_type"] for n in graph.values()}
+                assert types <= set(info), (name, types - set(info))
+        assert "tiny_demo" in _get(base + "/workflow_templates")["sdslim"]   # the template browser's list
+        results = {}
+        for name, output_node in (("vram_report_only", "1"), ("tiny_demo", "14")):
+            prompt = json.load(open(os.path.join(workflows, "api", name + ".json")))
+            req = urllib.request.Request(base + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                prompt_id = json.load(r)["prompt_id"]
+            for _ in range(600):
+                history = _get(f"{base}/history/{prompt_id}")
+                if prompt_id in history:
+                    break
+                time.sleep(0.5)
+            entry = history[prompt_id]
+            assert entry["status"]["status_str"] == "success", (name, entry["status"])
+            results[name] = entry["outputs"][output_node]
+        text = results["vram_report_only"]["text"][0]
         assert "CPU only" in text and "loaded models:" in text
+        assert len(results["tiny_demo"]["images"]) == 1
+        log_text = (tmp_path / "server.log").read_text()
+        assert "ERROR" not in log_text and "shape" not in log_text, log_text[-3000:]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -642,3 +655,58 @@ def test_slim_of_a_loaded_model_equals_slim_of_the_unloaded_one(comfy, tiny, ada
     finally:
         with_lora.unpatch_model()
     _assert_unchanged(with_lora, snap)
+
+
+# ---------------------------------------------------------------------------------- the shipped tiny demo
+
+def test_tiny_demo_node_gives_comfyui_objects_that_match_the_core_pipeline(comfy, caplog):
+    """MODEL/CLIP/VAE/CONTROL_NET of the shipped tiny assets, used by ComfyUI's own nodes; each part equals the
+    core's diffusers pipeline (a second code path) on the same inputs."""
+    from sdslim_core import tiny
+    nodes = comfy["nodes"]
+    model, clip, vae, control = _node(comfy, "SdslimTinyDemo").execute().args
+    pipe = tiny.load_tiny_pipeline()
+    prompt = "a red circle on a blue background"
+    pos, neg = nodes.CLIPTextEncode().encode(clip, prompt)[0], nodes.CLIPTextEncode().encode(clip, "")[0]
+    ctx = pipe.encode_prompt([prompt])
+    torch.testing.assert_close(pos[0][0], ctx)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([500.0])
+    model.patch_model()
+    try:
+        out = _forward(model, x, t, ctx)
+    finally:
+        model.unpatch_model()
+    with torch.no_grad():
+        torch.testing.assert_close(out, pipe.unet(x, t, encoder_hidden_states=ctx).sample, rtol=1e-4, atol=1e-4)
+        image = nodes.VAEDecode().decode(vae, {"samples": x})[0]
+        torch.testing.assert_close(image, pipe.decode(x * pipe.scaling_factor).movedim(1, -1), rtol=1e-4, atol=1e-4)
+    assert model.model.model_config.sdslim_latent_size == 8
+    # ComfyUI's own LoRA loader finds and applies the shipped LoRA; the shipped adapter file is offered to Slim UNet
+    lora_file = comfy["folder_paths"].get_full_path("loras", "tiny_lora_green.safetensors")
+    n_modules = sum(k.endswith(".lora_up.weight") for k in comfy["sd"].comfy.utils.load_torch_file(lora_file))
+    with caplog.at_level(logging.WARNING):
+        lora_model, lora_clip = nodes.LoraLoader().load_lora(model, clip, "tiny_lora_green.safetensors", 1.0, 1.0)
+    assert len(lora_model.patches) == n_modules and not caplog.records
+    assert "tiny_sd15_slim_half.safetensors" in _node(comfy, "SdslimSlimUNet").define_schema().inputs[1].options
+    slim = _slim(comfy, lora_model, "tiny_sd15_slim_half.safetensors")
+    assert slim.model_size() < 0.8 * model.model_size()
+    # the demo images: the LoRA paints green, the mask ControlNet moves the shape onto the mask
+    latent = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
+    mask = torch.zeros(1, 32, 32, 3)
+    mask[:, 2:14, 2:14] = 1
+    cpos, cneg = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, control, mask, 1.0, 0.0, 1.0)
+
+    def image(m, p, n):
+        return nodes.VAEDecode().decode(vae, nodes.common_ksampler(m, 0, 20, 4.0, "euler", "normal", p, n, latent)[0])[0]
+    green, controlled = image(slim, pos, neg), image(slim, cpos, cneg)
+    plain = image(_slim(comfy, model, "tiny_sd15_slim_half.safetensors"), pos, neg)
+
+    def frac_green(img):
+        return ((img[..., 1] > 0.5) & (img[..., 0] < 0.4)).float().mean().item()
+
+    def shape_in_mask(img):      # share of the non-background (non-blue) pixels inside the mask's square
+        shape = (img[..., 2] < 0.5) | (img[..., 0] > 0.5) | (img[..., 1] > 0.5)
+        return (shape & (mask[..., 0] > 0)).float().sum().item() / max(shape.float().sum().item(), 1)
+    assert frac_green(green) > frac_green(plain) + 0.05
+    assert shape_in_mask(controlled) > shape_in_mask(green) + 0.2

@@ -22,7 +22,6 @@ import torch
 
 import comfy.lora
 import comfy.model_management
-import comfy.model_patcher
 import comfy.ops
 import comfy.utils
 

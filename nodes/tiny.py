@@ -24,6 +24,7 @@ import comfy.model_patcher
 import comfy.sd
 import comfy.supported_models
 import comfy.supported_models_base
+import comfy.utils
 
 from sdslim_core import tiny
 from sdslim_core.safetensors_io import load_file

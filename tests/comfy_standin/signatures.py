@@ -19,8 +19,6 @@ NAMES = (
     "comfy.model_management.get_free_memory",
     "comfy.model_management.module_size",
     "comfy.model_management.current_loaded_models",
-    "comfy.model_patcher.wipe_lowvram_weight",
-    "comfy.model_patcher.create_model_options_clone",
     "comfy.model_patcher.ModelPatcher.__init__",
     "comfy.model_patcher.ModelPatcher.clone",
     "comfy.model_patcher.ModelPatcher.model_size",

@@ -16,10 +16,6 @@ def wipe_lowvram_weight(m):
         m.bias_function = []
 
 
-def create_model_options_clone(orig_model_options):
-    return copy.deepcopy(orig_model_options)
-
-
 class ModelPatcher:
     def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
         self.model, self.size = model, size

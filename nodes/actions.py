@@ -51,21 +51,25 @@ def vram_report(model=None, model_b=None, trigger=None, width=1024, height=1024,
     mm = comfy.model_management
     sections = [report.device_lines(mm, torch), report.loaded_models_lines(mm),
                 report.sampling_lines(monitor.LAST_SAMPLING)]
-    for label, m in (("model", model), ("model_b", model_b)):
-        if m is None:
-            continue
+    models = [(label, m) for label, m in (("model", model), ("model_b", model_b)) if m is not None]
+    for label, m in models:
         sections.append([report.breakdown_text(m, label),
                          f"{label}: weights {report.fmt_bytes(m.model_size())} in "
                          f"{str(m.model_dtype()).replace('torch.', '')}"])
-        if estimate:
-            _, _, family = report.unet_shapes(m)
-            sections.append(report.estimate_lines(family, report.slim_ratio(m), width, height, batch))
+    if estimate and models:
+        sections.append(report.estimate_lines(report.estimate_jobs(models, width, height), width, height, batch))
     text = "\n\n".join("\n".join(s) for s in sections)
     return Result((text,), text)
 
 
-def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="") -> Result:
+def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
+          latent_size=0) -> Result:
     from . import training
     text = training.run(model, filename=filename, ratio=ratio, steps=steps, seed=seed, positive=positive,
-                        clip=clip, prompts=prompts, budget=budget)
+                        clip=clip, prompts=prompts, budget=budget, latent_size=latent_size)
     return Result((text,), text)
+
+
+def tiny_demo() -> Result:
+    from . import tiny
+    return Result(tiny.load())

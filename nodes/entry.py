@@ -16,16 +16,18 @@ def inside_comfyui() -> bool:
 
 
 def prepare() -> None:
-    """Register ``models/sdslim`` and make the pack's ``sdslim_core`` importable (appended: never shadows)."""
+    """Make the pack's ``sdslim_core`` importable (appended: never shadows), register ``models/sdslim`` and the
+    shipped tiny demo assets (its adapter file for Slim UNet, its LoRA for the LoRA loaders)."""
     import folder_paths
 
     from . import paths
-    paths.register(folder_paths)
     if importlib.util.find_spec("sdslim_core") is None:
         sys.path.append(PACK_ROOT)
     origin = os.path.dirname(importlib.util.find_spec("sdslim_core").origin)
     if os.path.realpath(origin) != os.path.realpath(os.path.join(PACK_ROOT, "sdslim_core")):
         log.info("sdslim: using the installed sdslim_core at %s", origin)
+    paths.register(folder_paths)
+    paths.register_demo_assets(folder_paths, os.path.join(origin, "assets"))
 
 
 def has_v3() -> bool:

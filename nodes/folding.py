@@ -2,16 +2,19 @@
 
 The merged weight of each touched key comes from the incoming patcher's own patches
 (``get_key_patches`` + ``comfy.lora.calculate_weight``), so every LoRA/LyCORIS form ComfyUI supports is
-folded exactly. The result is a new BaseModel and a new ModelPatcher; untouched weights are shared (new
-Parameter objects over the same storage) with their patches carried over, and the incoming MODEL is never
-mutated. Replacement layers are built from the classes of the layers they replace (``comfy.ops``), so lowvram
-partial loading and manual casting keep working; ResBlocks and transformer blocks stay in place, only their
-inner layers change.
+folded exactly. The result is ``model.clone()`` pointed at a new BaseModel (a copy whose UNet has the folded
+layers; untouched weights share storage with the input), so every patch, model option, wrapper, callback, hook
+and attachment rides along by ComfyUI's own ``clone()``; only what was tied to the old UNet is dropped, by name.
+The incoming MODEL is never mutated. Replacement layers are built from the classes of the layers they replace
+(``comfy.ops``), so lowvram partial loading and manual casting keep working; ResBlocks and transformer blocks
+stay in place, only their inner layers change.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
 import logging
 import uuid
 
@@ -19,15 +22,15 @@ import torch
 
 import comfy.lora
 import comfy.model_management
-import comfy.model_patcher
 import comfy.ops
 import comfy.utils
 
 from sdslim_core import adapters, fold, layout
 
-from . import monitor
+from . import monitor, patches
 
 PREFIX = "diffusion_model."
+COMPILE_KEY, COMPILE_KWARGS = "torch.compile", "torch_compile_kwargs"   # comfy_api.torch_helpers' wrapper key
 _STORE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 log = logging.getLogger("sdslim")
 
@@ -104,9 +107,13 @@ def _new_layer(old: torch.nn.Module, shape: tuple, dtype: torch.dtype, plain_dty
     return new
 
 
-def _meta_skeleton(unet: torch.nn.Module) -> torch.nn.Module:
-    """Deep copy of the module tree with every tensor on the meta device and lowvram state wiped."""
-    memo = {}
+def _meta_base_model(base) -> torch.nn.Module:
+    """Deep copy of the BaseModel whose UNet tensors are on the meta device (to be replaced), sharing its config
+    and without the old UNet's lowvram weight functions or its current patcher."""
+    memo = {id(base.model_config): base.model_config} if hasattr(base, "model_config") else {}
+    if getattr(base, "current_patcher", None) is not None:
+        memo[id(base.current_patcher)] = None
+    unet = base.diffusion_model
     for t in list(unet.parameters()) + list(unet.buffers()):
         memo[id(t)] = (torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False)
                        if isinstance(t, torch.nn.Parameter) else torch.empty_like(t, device="meta"))
@@ -114,73 +121,94 @@ def _meta_skeleton(unet: torch.nn.Module) -> torch.nn.Module:
         for attr in ("weight_function", "bias_function"):
             if attr in m.__dict__:
                 memo[id(m.__dict__[attr])] = []
-    skeleton = copy.deepcopy(unet, memo)
-    for m in skeleton.modules():
-        comfy.model_patcher.wipe_lowvram_weight(m)
-        if hasattr(m, "comfy_patched_weights"):
-            del m.comfy_patched_weights
-    return skeleton
+    return copy.deepcopy(base, memo)
 
 
-def _new_base_model(base, skeleton):
-    """A new BaseModel sharing nothing mutable with ``base``; its UNet is ``skeleton``."""
-    new = copy.copy(base)
-    for attr in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
-        if attr in base.__dict__:
-            new.__dict__[attr] = type(base.__dict__[attr])(base.__dict__[attr])
-    for name, module in base.named_children():
-        if name != "diffusion_model":
-            setattr(new, name, copy.deepcopy(module))
-    new.diffusion_model = skeleton
-    new.model_loaded_weight_memory = 0
-    new.lowvram_patch_counter = 0
-    new.model_lowvram = False
-    new.current_weight_patches_uuid = None
-    if hasattr(base, "current_patcher"):
-        new.current_patcher = None
-    return new
+def _references(obj, modules: set, depth: int = 4) -> bool:
+    """True when ``obj`` (a wrapper, callback or object patch) holds one of ``modules`` (ids), looking through
+    closures, partials, bound methods, containers and torch.compile's wrapper (``_orig_mod``)."""
+    if isinstance(obj, torch.nn.Module):
+        return id(obj) in modules or _references(getattr(obj, "_orig_mod", None), modules, depth)
+    if depth == 0:
+        return False
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    elif isinstance(obj, functools.partial):
+        children = [obj.func, *obj.args, *obj.keywords.values()]
+    elif inspect.ismethod(obj):
+        children = [obj.__self__, obj.__func__]
+    elif inspect.isfunction(obj):
+        children = [c.cell_contents for c in obj.__closure__ or () if _filled(c)] + list(obj.__defaults__ or ())
+    else:
+        return False
+    return any(_references(c, modules, depth - 1) for c in children)
 
 
-def _carry_patcher_state(src, dst, dropped_keys: set):
-    """Copy model options, wrappers, callbacks, attachments, object/hook patches from ``src`` to ``dst``."""
-    dst.model_options = comfy.model_patcher.create_model_options_clone(src.model_options)
-    dst.force_cast_weights = getattr(src, "force_cast_weights", False)
-    if hasattr(src, "weight_wrapper_patches"):
-        dst.weight_wrapper_patches = dict(src.weight_wrapper_patches)
-    dst.object_patches = {}
-    for name, obj in src.object_patches.items():
-        path = name[len(PREFIX):] if name.startswith(PREFIX) else None
-        if path is not None and any(k.startswith(path + ".") for k in dropped_keys):
-            log.warning("sdslim: object patch '%s' replaces a slimmed layer and is not carried over", name)
-            continue
-        dst.object_patches[name] = obj
-    dst.attachments = {k: (a.on_model_patcher_clone() if hasattr(a, "on_model_patcher_clone") else a)
-                       for k, a in getattr(src, "attachments", {}).items()}
-    dst.additional_models = {k: [m.clone() for m in ms] for k, ms in getattr(src, "additional_models", {}).items()}
-    dst.callbacks = {k: {k1: list(c1) for k1, c1 in c.items()} for k, c in src.callbacks.items()}
-    dst.wrappers = {k: {k1: list(w1) for k1, w1 in w.items()} for k, w in src.wrappers.items()}
-    if hasattr(src, "injections"):
-        dst.injections = {k: list(i) for k, i in src.injections.items()}
-    if getattr(src, "hook_patches", None):
-        carried = {}
-        for hook_ref, per_key in src.hook_patches.items():
-            keep = {}
-            for key, patches in per_key.items():
-                if key.startswith(PREFIX) and key[len(PREFIX):] in dropped_keys:
-                    log.warning("sdslim: hook weight patch on slimmed key '%s' cannot apply and is dropped", key)
-                else:
-                    keep[key] = list(patches)
-            carried[hook_ref] = keep
-        dst.hook_patches = carried
-    if hasattr(src, "hook_mode"):
-        dst.hook_mode = src.hook_mode
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _tied_path(name: str, rebuilt: set) -> bool:
+    """True when the object patch ``name`` replaces the UNet or a module holding a rebuilt (slimmed) layer."""
+    if name == "diffusion_model":
+        return True
+    if not name.startswith(PREFIX):
+        return False
+    path = name[len(PREFIX):]
+    return any(p == path or p.startswith(path + ".") for p in rebuilt)
+
+
+def _drop_ties_to_old_unet(out, old_unet, rebuilt: set) -> None:
+    """Remove from the clone ``out`` what was made for the old UNet: wrappers, callbacks and object patches that
+    hold its modules (e.g. torch.compile's), object/weight-wrapper patches on rebuilt layers; each is named."""
+    modules = {id(m) for m in old_unet.modules()}
+    for table, kind in ((out.wrappers, "wrapper"), (out.callbacks, "callback")):
+        for when, per_key in table.items():
+            for key, fns in per_key.items():
+                held = [f for f in fns if _references(f, modules)]
+                if held:
+                    fns[:] = [f for f in fns if f not in held]
+                    hint = (" Apply torch.compile (TorchCompileModel) after Slim UNet instead."
+                            if key == COMPILE_KEY else "")
+                    log.warning("sdslim: %s '%s' (%s) holds the original UNet and is dropped from the slim model.%s",
+                                kind, key, when, hint)
+                    if key == COMPILE_KEY:
+                        out.model_options.pop(COMPILE_KWARGS, None)
+    for name in list(out.object_patches):
+        if _tied_path(name, rebuilt) or _references(out.object_patches[name], modules):
+            log.warning("sdslim: object patch '%s' replaces (or holds) a layer of the original UNet and is dropped "
+                        "from the slim model", name)
+            del out.object_patches[name]
+    for key in list(getattr(out, "weight_wrapper_patches", {})):
+        if key.startswith(PREFIX) and key[len(PREFIX):].rsplit(".", 1)[0] in rebuilt:
+            log.warning("sdslim: weight wrapper on slimmed '%s' is dropped from the slim model", key)
+            del out.weight_wrapper_patches[key]
+
+
+def _rebind(out, new_base) -> None:
+    """Point the clone ``out`` at ``new_base``: what belonged to the old weights starts afresh (their backups, the
+    cached hook weights, the size, the same-weights parent link); ComfyUI's own unpatch resets the load state."""
+    out.model = new_base
+    out.backup, out.object_patches_backup, out.hook_backup, out.cached_hook_patches = {}, {}, {}, {}
+    out.parent = None
+    out.size = 0
+    out.unpatch_model(device_to=out.offload_device)
+    out.model_size()
 
 
 def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
     """Return a new ModelPatcher whose UNet has ``aset`` folded into ``model``'s LoRA-merged weights.
 
-    ``progress(done, total)`` is called after each site. Raises SlimError / AdapterError with the key or site
-    at fault. ``model`` and its BaseModel are not modified.
+    The result is ``model.clone()`` on a new BaseModel: every patch, option, wrapper, callback, hook and
+    attachment of ``model`` is kept, except what was tied to the old UNet (the folded patches, and what
+    :func:`_drop_ties_to_old_unet` names). ``progress(done, total)`` is called after each site. Raises SlimError /
+    AdapterError with the key or site at fault. ``model`` and its BaseModel are not modified.
     """
     base = model.model
     unet = getattr(base, "diffusion_model", None)
@@ -212,7 +240,8 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
             log.warning("sdslim: %d patch(es) on '%s' (norm2 of a slimmed ResBlock) cannot survive the fold and "
                         "are dropped", len(kp[PREFIX + key]) - 1, PREFIX + key)
 
-    skeleton = _meta_skeleton(unet)
+    new_base = _meta_base_model(base)
+    skeleton = new_base.diffusion_model
     slim_keys = {k for k, t in folded.items() if tuple(t.shape) != shapes[k]}
     groups = {f"{s}.{layout.RES_LAYERS['ldm']['norm2']}": aset.groups(s) for s in sites if aset.kind(s) == "res"}
     rebuild = {k.rsplit(".", 1)[0] for k in slim_keys}
@@ -223,24 +252,24 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
         layer = _new_layer(comfy.utils.get_attr(skeleton, path), tuple(weight.shape), weight.dtype, plain,
                            groups.get(path))
         comfy.utils.set_attr(skeleton, path, layer)
-
-    state = {}
-    for ckey in shapes:
-        if ckey in folded:
-            state[ckey] = folded[ckey]
-        else:
-            state[ckey] = kp[PREFIX + ckey][0][0].detach().to(model.offload_device)
+    state = {k: folded[k] if k in folded else kp[PREFIX + k][0][0].detach().to(model.offload_device) for k in shapes}
     skeleton.load_state_dict(state, strict=True, assign=True)
-
-    new_base = _new_base_model(base, skeleton)
     new_base.sdslim_info = SlimInfo(family=family, adapters=aset.source, ranks=aset.ranks(), full_shapes=shapes,
                                     slim_keys=frozenset(slim_keys))
-    out = comfy.model_patcher.ModelPatcher(new_base, load_device=model.load_device,
-                                           offload_device=model.offload_device)
-    _carry_patcher_state(model, out, set(folded))
-    for ckey in shapes:
-        if ckey not in folded and len(kp[PREFIX + ckey]) > 1:
-            out.patches[PREFIX + ckey] = list(kp[PREFIX + ckey][1:])
+
+    out = model.clone()
+    out.__class__ = patches.slim_class(type(model))
+    _rebind(out, new_base)
+    for key in folded:                      # merged into the folded weights
+        out.patches.pop(PREFIX + key, None)
+    _drop_ties_to_old_unet(out, unet, rebuild)
+    for table in (out.hook_patches, out.hook_patches_backup or {}):
+        for hook_ref, per_key in table.items():
+            keep, dropped = patches.split_patch_lists(new_base, per_key)
+            if dropped:
+                if table is out.hook_patches:
+                    patches.report_dropped("a hook registered before Slim UNet", dropped)
+                table[hook_ref] = keep
     out.patches_uuid = uuid.uuid4()
     monitor.install(out)
     return out

@@ -1,10 +1,13 @@
-"""The ``models/sdslim`` folder: registration with ComfyUI's ``folder_paths`` and adapter-file lookup."""
+"""The ``models/sdslim`` folder: registration with ComfyUI's ``folder_paths``, adapter-file lookup, and where the
+Train node keeps its work folders (beside the listed folder, never inside it)."""
 from __future__ import annotations
 
 import os
 
 FOLDER = "sdslim"
+WORK_FOLDER = "sdslim_work"
 EXTENSIONS = frozenset({".safetensors"})
+_HEADER_CHECKS: dict = {}
 
 
 def register(folder_paths) -> list[str]:
@@ -25,9 +28,35 @@ def register(folder_paths) -> list[str]:
     return list(table[FOLDER][0])
 
 
+def register_demo_assets(folder_paths, assets: str) -> None:
+    """Offer the shipped tiny demo files: the assets folder is searched after ``models/sdslim`` (its adapter file)
+    and after the user's LoRA folders (its LoRA; the other tiny_* files there are listed too)."""
+    for kind in (FOLDER, "loras"):
+        if kind in folder_paths.folder_names_and_paths and assets not in folder_paths.get_folder_paths(kind):
+            folder_paths.add_model_folder_path(kind, assets)
+
+
 def adapter_files(folder_paths) -> list[str]:
-    """Adapter files visible in ``models/sdslim`` (sorted names relative to their search path)."""
-    return sorted(folder_paths.get_filename_list(FOLDER))
+    """sdslim adapter files in ``models/sdslim`` (sorted names relative to their search path): files whose
+    header says ``sdslim.format: sdslim-adapters``, outside training work folders."""
+    out = []
+    for name in folder_paths.get_filename_list(FOLDER):
+        if any(part.endswith(".work") for part in name.replace("\\", "/").split("/")[:-1]):
+            continue
+        path = folder_paths.get_full_path(FOLDER, name)
+        if path is not None and _is_adapter(path):
+            out.append(name)
+    return sorted(out)
+
+
+def _is_adapter(path: str) -> bool:
+    """:func:`is_adapter_file`, remembered per (path, size, mtime): the list is asked for on every page load."""
+    from sdslim_core.adapters import is_adapter_file
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key not in _HEADER_CHECKS:
+        _HEADER_CHECKS[key] = is_adapter_file(path)
+    return _HEADER_CHECKS[key]
 
 
 def resolve(folder_paths, name: str) -> str:
@@ -50,3 +79,11 @@ def output_path(folder_paths, filename: str) -> str:
     if not name.endswith(".safetensors"):
         name += ".safetensors"
     return os.path.join(folder_paths.get_folder_paths(FOLDER)[0], name)
+
+
+def work_dir(folder_paths, adapter_path: str) -> str:
+    """The Train node's work folder for ``adapter_path`` (from :func:`output_path`):
+    ``<parent of models/sdslim>/sdslim_work/<name>.work``, outside the folders Slim UNet lists."""
+    root = folder_paths.get_folder_paths(FOLDER)[0]
+    rel = os.path.relpath(adapter_path, root)
+    return os.path.join(os.path.dirname(os.path.normpath(root)), WORK_FOLDER, rel + ".work")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from sdslim_core import breakdown, layout
 
@@ -90,18 +91,42 @@ def slim_ratio(patcher) -> float:
     return sum(r / widths[s] for s, r in info.ranks.items()) / len(info.ranks)
 
 
-def estimate_lines(family: str, ratio: float, width: int, height: int, batch: int, timeout: float = 600) -> list[str]:
-    """Sampling peak predicted by ``sdslim_core.vram`` (fake tensors, in a subprocess) for a square of equal area."""
-    from sdslim_core.vram.estimate import estimate_sampling
+def precision_of(dtype) -> str:
+    """The estimator's precision for weights of ``dtype`` as the MODEL holds them (fp16 on a GPU): 4-byte weights
+    run as fp32, 2-byte (fp16/bf16) and smaller (fp8, counted as 2 bytes) as 2-byte weights."""
+    return "fp32" if getattr(dtype, "itemsize", 4) >= 4 else "full-bf16"
+
+
+def estimate_jobs(models, width: int, height: int) -> list:
+    """``[(name, Settings, baseline)]`` for the sampling estimate of ``models`` = [(label, MODEL)]: one curve per
+    distinct (family, weight size, slim ratio); an original model is estimated once however many inputs show it."""
     from sdslim_core.vram.settings import Settings
     side = max(64, int(round(math.sqrt(width * height) / 8)) * 8)
+    jobs, seen = [], {}
+    for label, m in models:
+        _, _, family = unet_shapes(m)
+        precision, ratio = precision_of(m.model_dtype()), round(slim_ratio(m), 3)
+        base = Settings(arch=family, resolution=side, precision=precision, sampling=True)
+        original = f"{family} original ({str(m.model_dtype()).replace('torch.', '')})"
+        slim = [(f"{label} slim {ratio:g}", replace(base, slim_ratio=ratio))] if ratio else []
+        for name, settings in [(original, base)] + slim:
+            key = (settings.arch, settings.precision, settings.slim_ratio)
+            if key not in seen:
+                seen[key] = name
+                jobs.append((name, settings, original))
+    return jobs
+
+
+def estimate_lines(jobs: list, width: int, height: int, batch: int, timeout: float = 600) -> list[str]:
+    """Sampling peaks predicted by ``sdslim_core.vram`` (fake tensors, one subprocess) for :func:`estimate_jobs`."""
+    from sdslim_core.vram.estimate import estimate_many
+    side = jobs[0][1].resolution
     note = "" if side == width == height else f" (square {side}px of equal area)"
     try:
-        results = estimate_sampling(Settings(arch=family, resolution=side, slim_ratio=round(ratio, 3)),
-                                    batch_sizes=(batch,), timeout=timeout)
+        results = estimate_many(jobs, batch_sizes=(batch,), timeout=timeout)
     except Exception as err:  # the estimator is optional: report why it did not run
         return [f"estimate {width}x{height} batch {batch}: unavailable ({str(err).strip().splitlines()[-1][:300]})"]
-    lines = [f"estimate for {width}x{height}{note}, batch {batch}:"]
+    lines = [f"estimate of one sampling step for {width}x{height}{note}, batch {batch}:"]
     for r in results:
         lines.extend("  " + line for line in r.format_text().splitlines())
     return lines

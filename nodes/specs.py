@@ -14,7 +14,8 @@ CATEGORY = "sdslim"
 
 @dataclasses.dataclass(frozen=True)
 class In:
-    """One input. ``kind``: MODEL, CLIP, CONDITIONING, LATENT, ANY, FLOAT, INT, BOOLEAN, STRING or COMBO."""
+    """One input. ``kind``: MODEL, CLIP, VAE, CONTROL_NET, CONDITIONING, LATENT, ANY, FLOAT, INT, BOOLEAN, STRING
+    or COMBO."""
     name: str
     kind: str
     default: object = None
@@ -88,7 +89,10 @@ TRAIN = NodeSpec(
      In("clip", "CLIP", optional=True, tooltip="encodes 'prompts' when no conditioning is given"),
      In("prompts", "STRING", "", multiline=True, optional=True, tooltip="one calibration prompt per line"),
      In("budget", "STRING", "", optional=True,
-        tooltip="instead of ratio: UNet parameters ('600M') or weight bytes ('1.2GB') to keep")),
+        tooltip="instead of ratio: UNet parameters ('600M') or weight bytes ('1.2GB') to keep"),
+     In("latent_size", "INT", 0, 0, 512, 1, optional=True,
+        tooltip="calibration latent size (image size / 8); 0 = the model's native size: 64 for SD1.5, 96 for "
+                "SD2, 128 for SDXL, 8 for the tiny demo model")),
     (Out("STRING", "report"),),
     "train", output_node=True)
 
@@ -121,4 +125,15 @@ BREAKDOWN = NodeSpec(
     (Out("STRING", "table"),),
     "breakdown", output_node=True)
 
-SPECS = (SLIM, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN)
+TINY_DEMO = NodeSpec(
+    "SdslimTinyDemo", "Load Tiny Demo Model (sdslim)",
+    "The tiny SD1.5-structure model shipped with sdslim (32x32 images of coloured shapes, 'a red circle on a blue "
+    "background'), its text encoder, VAE and mask ControlNet, for ComfyUI's own nodes: try the pack in seconds on "
+    "a CPU. Its LoRA is tiny_lora_green in the LoRA list, its slim adapters tiny_sd15_slim_half in Slim UNet's. "
+    "Latent 8x8 = an Empty Latent Image of 64x64; images are 32x32.",
+    (),
+    (Out("MODEL", "MODEL"), Out("CLIP", "CLIP"), Out("VAE", "VAE"),
+     Out("CONTROL_NET", "CONTROL_NET", "mask ControlNet: white shape on black (image channels are averaged)")),
+    "tiny_demo")
+
+SPECS = (SLIM, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)

@@ -2,6 +2,8 @@
 ``sdslim_core.train.train_adapters``. The MODEL's LoRAs are merged into the teacher; the MODEL is not modified."""
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 import comfy.model_management
@@ -36,8 +38,19 @@ def teacher(model) -> tuple[dict, layout.UNetConfig]:
     return weights, layout.config_from_state_dict(weights, heads)
 
 
-def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="") -> str:
-    """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report."""
+def native_latent_size(model) -> int | None:
+    """The latent size the MODEL was made for, when its config says (the tiny demo's loader sets it); None lets
+    the trainer use the family's default (64 SD1.5, 96 SD2, 128 SDXL)."""
+    return getattr(getattr(model.model, "model_config", None), "sdslim_latent_size", None)
+
+
+def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
+        latent_size=0) -> str:
+    """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report.
+
+    Calibration runs at ``latent_size`` (0: the model's native size). The work folder (calibration data,
+    checkpoints) lives in ``sdslim_work/`` beside ``models/sdslim`` and is removed once the file is written;
+    an interrupted run keeps it and resumes from it."""
     try:
         from sdslim_core.train import Calibration, train_adapters
     except ImportError as err:
@@ -52,7 +65,12 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
         bar.update_absolute(done, total)
 
     weights, cfg = teacher(model)
-    ranks = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
+    options: dict = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
+    size = int(latent_size or 0) or native_latent_size(model)
+    if size:
+        options["latent_size"] = size
+    work = paths.work_dir(folder_paths, out)
     result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", steps=steps,
-                            seed=seed, device=str(model.load_device), **ranks)
+                            seed=seed, device=str(model.load_device), work_dir=work, **options)
+    shutil.rmtree(work, ignore_errors=True)
     return f"adapters written to {out}\n\n{result.report}"

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-_TYPES = {"MODEL": io.Model, "CLIP": io.Clip, "CONDITIONING": io.Conditioning, "LATENT": io.Latent,
+_TYPES = {"MODEL": io.Model, "CLIP": io.Clip, "VAE": io.Vae, "CONTROL_NET": io.ControlNet,
+          "CONDITIONING": io.Conditioning, "LATENT": io.Latent,
           "ANY": io.AnyType, "FLOAT": io.Float, "INT": io.Int, "BOOLEAN": io.Boolean, "STRING": io.String,
           "COMBO": io.Combo}
 

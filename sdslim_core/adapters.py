@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import torch
 
 from . import layout
-from .safetensors_io import FileFormatError, load_file, save_file_atomic
+from .safetensors_io import FileFormatError, load_file, read_header, save_file_atomic
 
 FORMAT = "sdslim-adapters"
 VERSION = 2                           # written only when a file needs it (``up_bias``); version 1 otherwise
@@ -296,3 +296,11 @@ def _split_tensor_key(key: str, src: str) -> tuple[str, str]:
             return key[:-len(name) - 1], name
     raise AdapterError(f"{src}: unknown tensor {key!r} (expected <site>.down_value/down_gate/up[/up_bias] or "
                        "<site>.down/norm.weight/norm.bias/up)")
+
+
+def is_adapter_file(path) -> bool:
+    """True when ``path``'s safetensors header says it is an sdslim adapter file (no tensor is read)."""
+    try:
+        return read_header(path)[1].get("sdslim.format") == FORMAT
+    except (OSError, ValueError):
+        return False

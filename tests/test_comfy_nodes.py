@@ -36,7 +36,7 @@ def pack():
     sys.modules[spec.name] = pkg
     spec.loader.exec_module(pkg)
     mods = {name: importlib.import_module(f"{spec.name}.{name}")
-            for name in ("paths", "specs", "v1", "folding", "monitor", "report")}
+            for name in ("paths", "specs", "v1", "folding", "monitor", "patches", "report")}
     mods["comfy"] = importlib.import_module("comfy.model_management"), importlib.import_module("comfy.utils")
     mods["folder_paths"] = importlib.import_module("folder_paths")
     mods["fold64"] = importlib.import_module("reference").fold64
@@ -118,13 +118,24 @@ def test_folder_registration_keeps_yaml_paths_and_is_idempotent(pack, tmp_path):
     assert pack.paths.register(fp) == [default]
 
 
+def _adapter_file(path):
+    adapters.AdapterSet(family="sd15", sites={}, source=str(path)).save(path)
+
+
 def test_adapter_lookup_and_output_names(pack, tmp_path):
     fp = pack.folder_paths
     fp.folder_names_and_paths.clear()
     fp.folder_names_and_paths["sdslim"] = ([str(tmp_path)], {".safetensors"})
-    (tmp_path / "a.safetensors").write_bytes(b"")
+    _adapter_file(tmp_path / "a.safetensors")
     (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty.safetensors").write_bytes(b"")                       # not a safetensors file
+    from safetensors.torch import save_file
+    save_file({"lora_unet_x.lora_up.weight": torch.zeros(2, 2)}, str(tmp_path / "lora.safetensors"))
+    (tmp_path / "old.safetensors.work").mkdir()                              # a work folder of an older version
+    _adapter_file(tmp_path / "old.safetensors.work" / "init.safetensors")
     assert pack.paths.adapter_files(fp) == ["a.safetensors"]
+    assert pack.paths.work_dir(fp, pack.paths.output_path(fp, "sub/m")) == str(
+        tmp_path.parent / "sdslim_work" / "sub" / "m.safetensors.work")
     assert pack.paths.resolve(fp, "a.safetensors") == str(tmp_path / "a.safetensors")
     with pytest.raises(FileNotFoundError, match=r"'b\.safetensors' not found in models/sdslim.*" + str(tmp_path)):
         pack.paths.resolve(fp, "b.safetensors")
@@ -138,7 +149,7 @@ def test_v1_classes_follow_the_specs(pack, tmp_path):
     fp = pack.folder_paths
     fp.folder_names_and_paths.clear()
     fp.folder_names_and_paths["sdslim"] = ([str(tmp_path)], {".safetensors"})
-    (tmp_path / "half.safetensors").write_bytes(b"")
+    _adapter_file(tmp_path / "half.safetensors")
     classes = {s.node_id: pack.v1.node_class(s) for s in pack.specs.SPECS}
     slim = classes["SdslimSlimUNet"].INPUT_TYPES()
     assert list(slim["required"]) == ["model", "adapters", "strength", "enable"]
@@ -260,24 +271,88 @@ class LoRAAdapter:          # named like ComfyUI's, which monitor recognises by 
         self.weights = (up, down, None, None, None, None)
 
 
-def test_misfit_patches_are_named_once(pack, model, caplog):
+class HookRef:
+    pass
+
+
+class Hook:
+    def __init__(self):
+        self.hook_ref = HookRef()
+
+
+def test_misfit_patches_are_dropped_once_when_added(pack, model, caplog):
     patcher, weights = model
     slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
     later = slim.clone()
+    assert type(later) is type(slim) and isinstance(later, pack.patches.SlimPatcher)
+    sd = slim.model.diffusion_model.state_dict()
     full = weights[f"{FF}.net.0.proj.weight"].shape
-    slim_shape = tuple(slim.model.diffusion_model.state_dict()[f"{FF}.net.0.proj.weight"].shape)
-    later.add_patches({
-        f"diffusion_model.{FF}.net.0.proj.weight": LoRAAdapter(torch.zeros(full[0], 4), torch.zeros(4, full[1])),
-        f"diffusion_model.{RES}.in_layers.2.weight": ("diff", (torch.zeros(slim.model.diffusion_model.state_dict()
-                                                                            [f"{RES}.in_layers.2.weight"].shape),)),
-        "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight": ("diff", (torch.zeros(1),))})
-    assert pack.monitor.misfit_patches(later) == {f"diffusion_model.{FF}.net.0.proj.weight": (full[0] * full[1], slim_shape)}
+    attn = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+    lora = {f"diffusion_model.{FF}.net.0.proj.weight": LoRAAdapter(torch.zeros(full[0], 4), torch.zeros(4, full[1])),
+            f"diffusion_model.{FF}.net.2.weight": ("unknown form", None),
+            f"diffusion_model.{RES}.in_layers.2.weight": ("diff", (torch.zeros(sd[f"{RES}.in_layers.2.weight"].shape),)),
+            attn: ("diff", (torch.zeros(sd[attn[len("diffusion_model."):]].shape),))}
     with caplog.at_level(logging.WARNING, logger="sdslim"):
-        pack.monitor.warn_misfits(later)
-        pack.monitor.warn_misfits(later)
+        added = later.add_patches(lora)
+    assert set(added) == set(lora)                           # dropped keys count as handled (no "NOT LOADED")
+    assert set(later.patches) == {attn, f"diffusion_model.{RES}.in_layers.2.weight"}   # the slim-sized one fits
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and f"{FF}.net.0.proj.weight" in msgs[0] and str(list(slim_shape)) in msgs[0]
-    assert pack.monitor.misfit_patches(patcher) == {}
+    assert len(msgs) == 1 and "2 weight patch(es)" in msgs[0] and f"{FF}.net.0.proj.weight" in msgs[0]
+    caplog.clear()
+    hook = Hook()
+    with caplog.at_level(logging.WARNING, logger="sdslim"):
+        for _ in range(3):                                    # ComfyUI registers hook patches at every sampling
+            later.add_hook_patches(hook, lora)
+    assert set(later.hook_patches[hook.hook_ref]) == {attn, f"diffusion_model.{RES}.in_layers.2.weight"}
+    assert len(caplog.records) == 1 and "hook" in caplog.records[0].getMessage()
+    # an original model's patcher is not a slim one: nothing is filtered
+    plain = patcher.clone()
+    assert set(plain.add_patches({f"diffusion_model.{FF}.net.0.proj.weight": lora[f"diffusion_model.{FF}.net.0.proj.weight"]})) == {f"diffusion_model.{FF}.net.0.proj.weight"}
+
+
+def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplog):
+    """clone() carries everything; wrappers/callbacks/object patches holding the old UNet and patches on
+    slimmed keys are dropped by name; the clone's backups and parent link start afresh."""
+    import comfy.patcher_extension as ext
+    patcher, weights = model
+    src = patcher.clone()
+    old_unet = src.model.diffusion_model
+    compiled = {"diffusion_model": torch.nn.Module()}
+    compiled["diffusion_model"]._orig_mod = old_unet           # what torch.compile's OptimizedModule holds
+
+    def compile_wrapper(executor, *a, **k):
+        return compiled, executor(*a, **k)
+
+    def keep_wrapper(executor, *a, **k):
+        return executor(*a, **k)
+    clones = []
+    src.add_wrapper_with_key(ext.WrappersMP.APPLY_MODEL, "torch.compile", compile_wrapper)
+    src.add_wrapper_with_key(ext.WrappersMP.APPLY_MODEL, "mine", keep_wrapper)
+    src.add_callback_with_key(ext.CallbacksMP.ON_CLONE, "mine", lambda orig, new: clones.append((orig, new)))
+    src.model_options["torch_compile_kwargs"] = {"backend": "inductor"}
+    attn = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1"
+    src.object_patches = {"diffusion_model": old_unet, attn: torch.nn.Identity(), "model_sampling": "ms"}
+    src.weight_wrapper_patches = {f"diffusion_model.{FF}.net.2.weight": [len], attn + ".to_q.weight": [len]}
+    hook = Hook()
+    src.hook_patches = {hook.hook_ref: {f"diffusion_model.{FF}.net.2.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, None)],
+                                        attn + ".to_q.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, None)]}}
+    src.backup["diffusion_model.out.2.weight"] = "not ours"
+    with caplog.at_level(logging.WARNING, logger="sdslim"):
+        slim = pack.folding.slim_patcher(src, _aset(weights, 0.5))
+    msgs = " | ".join(r.getMessage() for r in caplog.records)
+    assert "'torch.compile'" in msgs and "after Slim UNet" in msgs and "'diffusion_model'" in msgs
+    assert list(slim.wrappers["apply_model"]) == ["torch.compile", "mine"]
+    assert slim.wrappers["apply_model"]["torch.compile"] == [] and slim.wrappers["apply_model"]["mine"] == [keep_wrapper]
+    assert "torch_compile_kwargs" not in slim.model_options and "torch_compile_kwargs" in src.model_options
+    assert set(slim.object_patches) == {attn, "model_sampling"}
+    assert set(slim.weight_wrapper_patches) == {attn + ".to_q.weight"}
+    assert set(slim.hook_patches[hook.hook_ref]) == {attn + ".to_q.weight"}
+    assert len(src.hook_patches[hook.hook_ref]) == 2 and len(src.object_patches) == 3     # the input keeps all
+    assert len(clones) == 1 and clones[0][0] is src                  # ON_CLONE ran: Slim UNet is a clone
+    assert slim.backup == {} and src.backup == {"diffusion_model.out.2.weight": "not ours"}
+    assert slim.parent is None and slim.model is not src.model and slim.model.model_lowvram is False
+    assert slim.model_size() < src.model_size()
+    assert slim.clone().model is slim.model and type(slim.clone()) is type(slim)
 
 
 def test_outer_sample_wrapper_records_even_when_sampling_fails(pack, model):
@@ -324,3 +399,22 @@ def test_report_sections(pack, model):
     ranks = slim.model.sdslim_info.ranks
     assert pack.report.slim_ratio(slim) == pytest.approx(sum(r / sites[s] for s, r in ranks.items()) / len(ranks))
     assert pack.report.slim_ratio(patcher) == 0.0
+
+
+def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
+    """fp16 weights are estimated as 2-byte weights; the original behind both inputs is estimated once; one
+    batch point prints no fit line; a sampling estimate names no optimizer."""
+    patcher, weights = model
+    slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
+    assert [pack.report.precision_of(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+            ] == ["fp32", "full-bf16", "full-bf16", "full-bf16"]
+    for m in (patcher, slim):
+        m.model_dtype = lambda: torch.float16                      # as ComfyUI keeps SD on a GPU
+    jobs = pack.report.estimate_jobs([("model", slim), ("model_b", patcher)], 64, 64)
+    assert [(n, s.precision, s.slim_ratio, base) for n, s, base in jobs] == [
+        ("sd15 original (float16)", "full-bf16", 0.0, "sd15 original (float16)"),
+        (f"model slim {round(pack.report.slim_ratio(slim), 3):g}", "full-bf16", round(pack.report.slim_ratio(slim), 3),
+         "sd15 original (float16)")]
+    text = "\n".join(pack.report.estimate_lines(jobs[:1], 64, 64, 1))
+    assert "2-byte weights" in text and "adamw" not in text and "fit:" not in text, text
+    assert "frozen 1.60" in text, text                             # SD1.5's 859.5 M weights × 2 bytes

@@ -19,6 +19,7 @@ def test_standin_matches_recorded_comfyui_signatures():
         assert recorded["comfyui"] and set(recorded["names"]) == set(signatures.NAMES)
         mismatched = {n: (d, recorded["names"][n]) for n, d in signatures.record().items() if d != recorded["names"][n]}
         assert not mismatched
+        assert signatures.record_fields() == recorded["modelpatcher_fields"] == sorted(signatures.FIELDS)
     finally:
         for k in [k for k in sys.modules if k.split(".")[0] in ("comfy", "folder_paths", "signatures")]:
             del sys.modules[k]

@@ -77,10 +77,11 @@ class EstimateResult:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in top)
             lines.append(f"  B={p['batch']:<3} peak {p['peak_gib']:6.2f} GiB  at {p['phase']:<6} [{parts}]")
         f = self.fit
-        lines.append(f"  fit: {f.intercept_gib:.2f} + {f.slope_gib:.3f}·B GiB"
-                     + (f", optimizer-step plateau {f.plateau_gib:.2f} GiB" if f.plateau_gib else ""))
-        if not s.sampling:
-            lines.append(f"  {kink_note(f)}")
+        if len(self.points) > 1:                      # a line through one point says nothing
+            lines.append(f"  fit: {f.intercept_gib:.2f} + {f.slope_gib:.3f}·B GiB"
+                         + (f", optimizer-step plateau {f.plateau_gib:.2f} GiB" if f.plateau_gib else ""))
+            if not s.sampling:
+                lines.append(f"  {kink_note(f)}")
         if self.classification:
             lines.append(f"  vs {self.baseline}: {self.classification}")
         lines.extend(f"  note: {w}" for w in self.warnings)

@@ -15,6 +15,8 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adamw-fused")
 ATTENTIONS = ("sdpa", "xformers")
 LORA_KINDS = ("lora", "locon", "loha", "lora-fa")
 ARCHS = ("sd15", "sd2", "sdxl")
+SAMPLING_PRECISION_LABELS = {"fp32": "fp32 weights", "amp-bf16": "fp32 weights + bf16 autocast",
+                             "full-bf16": "2-byte weights (fp16/bf16)"}
 DEFAULT_BATCH_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16)
 
 # UNet2DConditionModel configs, typed in (nothing is fetched).
@@ -95,8 +97,11 @@ class Settings:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def label(self) -> str:
-        """Short human label, e.g. 'sd15 768px amp-bf16 adamw LoRA r16'."""
-        parts = [f"{self.arch} (ckpt)" if self.ckpt else self.arch, f"{self.resolution}px", self.precision, self.optimizer]
+        """Short human label, e.g. 'sd15 768px amp-bf16 adamw LoRA r16' (sampling: no optimizer; weight dtype)."""
+        precision = (SAMPLING_PRECISION_LABELS[self.precision] if self.sampling else self.precision)
+        parts = [f"{self.arch} (ckpt)" if self.ckpt else self.arch, f"{self.resolution}px", precision]
+        if not self.sampling:
+            parts.append(self.optimizer)
         if self.grad_ckpt:
             parts.append("grad-ckpt")
         if self.attention != "sdpa":

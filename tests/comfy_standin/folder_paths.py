@@ -10,11 +10,13 @@ def get_folder_paths(folder_name):
 
 
 def get_filename_list(folder_name):
+    """Names relative to each search path, subfolders included (as ComfyUI lists them)."""
     paths, exts = folder_names_and_paths[folder_name]
     out = set()
     for p in paths:
-        if os.path.isdir(p):
-            out |= {f for f in os.listdir(p) if not exts or os.path.splitext(f)[1] in exts}
+        for d, _, files in os.walk(p, followlinks=True):
+            out |= {os.path.relpath(os.path.join(d, f), p) for f in files
+                    if not exts or os.path.splitext(f)[1] in exts}
     return sorted(out)
 
 
@@ -24,3 +26,10 @@ def get_full_path(folder_name, filename):
         if os.path.isfile(full):
             return full
     return None
+
+
+def add_model_folder_path(folder_name, full_folder_path, is_default=False):
+    paths, exts = folder_names_and_paths.setdefault(folder_name, ([], set()))
+    if full_folder_path in paths:
+        paths.remove(full_folder_path)
+    paths.insert(0, full_folder_path) if is_default else paths.append(full_folder_path)

@@ -19,8 +19,6 @@ NAMES = (
     "comfy.model_management.get_free_memory",
     "comfy.model_management.module_size",
     "comfy.model_management.current_loaded_models",
-    "comfy.model_patcher.wipe_lowvram_weight",
-    "comfy.model_patcher.create_model_options_clone",
     "comfy.model_patcher.ModelPatcher.__init__",
     "comfy.model_patcher.ModelPatcher.clone",
     "comfy.model_patcher.ModelPatcher.model_size",
@@ -29,6 +27,9 @@ NAMES = (
     "comfy.model_patcher.ModelPatcher.get_key_patches",
     "comfy.model_patcher.ModelPatcher.add_wrapper_with_key",
     "comfy.model_patcher.ModelPatcher.remove_wrappers_with_key",
+    "comfy.model_patcher.ModelPatcher.add_callback_with_key",
+    "comfy.model_patcher.ModelPatcher.add_hook_patches",
+    "comfy.model_patcher.ModelPatcher.unpatch_model",
     "comfy.ops.CastWeightBiasOp.comfy_cast_weights",
     "comfy.ops.disable_weight_init.Linear",
     "comfy.ops.disable_weight_init.Conv2d",
@@ -39,12 +40,19 @@ NAMES = (
     "comfy.utils.ProgressBar.__init__",
     "comfy.utils.ProgressBar.update_absolute",
     "comfy.patcher_extension.WrappersMP.OUTER_SAMPLE",
+    "comfy.patcher_extension.WrappersMP.APPLY_MODEL",
+    "comfy.patcher_extension.CallbacksMP.ON_CLONE",
     "folder_paths.models_dir",
     "folder_paths.folder_names_and_paths",
     "folder_paths.get_folder_paths",
     "folder_paths.get_filename_list",
     "folder_paths.get_full_path",
+    "folder_paths.add_model_folder_path",
 )
+# ModelPatcher instance fields that nodes/folding.py resets when it points a clone at the slim model
+FIELDS = ("model", "size", "patches", "patches_uuid", "backup", "object_patches", "object_patches_backup",
+          "weight_wrapper_patches", "model_options", "wrappers", "callbacks", "hook_patches", "hook_patches_backup",
+          "hook_backup", "cached_hook_patches", "parent", "load_device", "offload_device")
 JSON_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                          "comfy_api_signatures.json")
 
@@ -78,6 +86,14 @@ def record() -> dict:
     return {name: describe(resolve(name)) for name in NAMES}
 
 
+def record_fields() -> list:
+    """Which of :data:`FIELDS` a fresh ModelPatcher has."""
+    import torch
+    patcher = resolve("comfy.model_patcher.ModelPatcher")(torch.nn.Linear(1, 1), torch.device("cpu"),
+                                                          torch.device("cpu"))
+    return sorted(set(FIELDS) & set(vars(patcher)))
+
+
 if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [os.environ["COMFYUI_PATH"]] + [p for p in sys.path if os.path.abspath(p or ".") != here]
@@ -86,5 +102,6 @@ if __name__ == "__main__":
     data = record()
     if "--write" in sys.argv:
         with open(JSON_PATH, "w") as f:
-            json.dump({"comfyui": importlib.import_module("comfyui_version").__version__, "names": data}, f, indent=1)
+            json.dump({"comfyui": importlib.import_module("comfyui_version").__version__, "names": data,
+                       "modelpatcher_fields": record_fields()}, f, indent=1)
     print(json.dumps(data, indent=1))

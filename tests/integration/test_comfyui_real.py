@@ -167,7 +167,7 @@ def test_registration_v3_v1_and_folder(comfy, adapter_dir):
     classes = _v3_classes(comfy)
     ids = {c.define_schema().node_id for c in classes}
     assert ids == {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor",
-                   "SdslimUNetBreakdown"}
+                   "SdslimUNetBreakdown", "SdslimTinyDemo"}
     slim_schema = _node(comfy, "SdslimSlimUNet").GET_SCHEMA() if hasattr(classes[0], "GET_SCHEMA") else None
     assert slim_schema is None or slim_schema.node_id == "SdslimSlimUNet"
     v1, names = comfy["pack"].nodes.entry.v1_mappings()
@@ -248,15 +248,21 @@ def test_sampling_lowvram_and_lora_after_slim(comfy, tiny, adapter_dir, caplog):
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=patcher, adapters="half.safetensors", strength=1.0,
                                                      enable=True).args
     late = _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj"], seed=7)
-    slim_lora, _ = comfy["sd"].load_lora_for_models(slim, None, late, 1.0, 0.0)
-    # sampling through ComfyUI's KSampler path; the misfit FF key is named in a warning
+    with caplog.at_level(logging.WARNING):
+        slim_lora, _ = comfy["sd"].load_lora_for_models(slim, None, late, 1.0, 0.0)
+    # the misfit FF key is dropped when the LoRA is added, with one message naming it (and no "NOT LOADED")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "sdslim" in r.getMessage()
+            ] == [m for m in [r.getMessage() for r in caplog.records] if f"{FF}.net.0.proj.weight" in m]
+    assert len(caplog.records) == 1 and "not applied" in caplog.records[0].getMessage()
+    assert list(slim_lora.patches) == [f"diffusion_model.{ATTN}.weight"]
+    caplog.clear()
+    # sampling through ComfyUI's KSampler path: no ERROR (shape) lines from ComfyUI's patch math, no more warnings
     cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
     latent = {"samples": torch.zeros(1, 4, 16, 16)}
-    with caplog.at_level(logging.WARNING, logger="sdslim"):
+    with caplog.at_level(logging.WARNING):
         (out,) = comfy["nodes"].common_ksampler(slim_lora, 1, 2, 5.0, "euler", "normal", cond, cond, latent)
     assert torch.isfinite(out["samples"]).all() and out["samples"].abs().sum() > 0
-    misfit = [r.getMessage() for r in caplog.records if "was made for" in r.getMessage()]
-    assert len(misfit) == 1 and f"{FF}.net.0.proj.weight" in misfit[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     record = comfy["pack"].nodes.monitor.LAST_SAMPLING
     assert record["slim"] and record["seconds"] > 0 and record["latent_shape"] == [1, 4, 16, 16]
 
@@ -373,7 +379,8 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
     (tmp_path / "custom_nodes").mkdir()
     (tmp_path / "custom_nodes" / "sdslim").symlink_to(ROOT)
     (tmp_path / "adapters").mkdir()
-    (tmp_path / "adapters" / "from_yaml.safetensors").write_bytes(b"")
+    from sdslim_core.adapters import AdapterSet
+    AdapterSet(family="sd15", sites={}, source="x").save(tmp_path / "adapters" / "from_yaml.safetensors")
     (tmp_path / "extra.yaml").write_text(f"test:\n  custom_nodes: {tmp_path / 'custom_nodes'}\n"
                                          f"  sdslim: {tmp_path / 'adapters'}\n")
     with socket.socket() as s:
@@ -393,28 +400,40 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
                 assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
         info = _get(base + "/object_info")
-        ids = {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor", "SdslimUNetBreakdown"}
+        ids = {"SdslimSlimUNet", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor", "SdslimUNetBreakdown",
+               "SdslimTinyDemo"}
         assert ids <= set(info), (tmp_path / "server.log").read_text()[-3000:]
         assert "from_yaml.safetensors" in info["SdslimSlimUNet"]["input"]["required"]["adapters"][1]["options"]
-        workflows = os.path.join(ROOT, "workflows")
-        for name in sorted(os.listdir(workflows)):
-            graph = json.load(open(os.path.join(workflows, name)))
-            types = {n["type"] for n in graph["nodes"]} if "nodes" in graph else {n["class_type"] for n in graph.values()}
-            assert types <= set(info), (name, types - set(info))
-        prompt = json.load(open(os.path.join(workflows, "vram_report_only.api.json")))
-        req = urllib.request.Request(base + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            prompt_id = json.load(r)["prompt_id"]
-        for _ in range(240):
-            history = _get(f"{base}/history/{prompt_id}")
-            if prompt_id in history:
-                break
-            time.sleep(0.5)
-        entry = history[prompt_id]
-        assert entry["status"]["status_str"] == "success", entry["status"]
-        text = entry["outputs"]["1"]["text"][0]
+        workflows = os.path.join(ROOT, "example_workflows")
+        names = sorted(f for f in os.listdir(workflows) if f.endswith(".json"))
+        assert names == sorted(os.listdir(os.path.join(workflows, "api")))      # each in UI and API format
+        for name in names:
+            for graph in (json.load(open(os.path.join(workflows, name))),
+                          json.load(open(os.path.join(workflows, "api", name)))):
+                types = {n["type"] for n in graph["nodes"]} if "nodes" in graph else \
+                    {n["class_type"] for n in graph.values()}
+                assert types <= set(info), (name, types - set(info))
+        assert "tiny_demo" in _get(base + "/workflow_templates")["sdslim"]   # the template browser's list
+        results = {}
+        for name, output_node in (("vram_report_only", "1"), ("tiny_demo", "14")):
+            prompt = json.load(open(os.path.join(workflows, "api", name + ".json")))
+            req = urllib.request.Request(base + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                prompt_id = json.load(r)["prompt_id"]
+            for _ in range(600):
+                history = _get(f"{base}/history/{prompt_id}")
+                if prompt_id in history:
+                    break
+                time.sleep(0.5)
+            entry = history[prompt_id]
+            assert entry["status"]["status_str"] == "success", (name, entry["status"])
+            results[name] = entry["outputs"][output_node]
+        text = results["vram_report_only"]["text"][0]
         assert "CPU only" in text and "loaded models:" in text
+        assert len(results["tiny_demo"]["images"]) == 1
+        log_text = (tmp_path / "server.log").read_text()
+        assert "ERROR" not in log_text and "shape" not in log_text, log_text[-3000:]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -428,8 +447,9 @@ def test_recorded_signatures_match_this_comfyui(comfy):
         import signatures
     finally:
         sys.path.pop(0)
-    recorded = json.load(open(signatures.JSON_PATH))["names"]
-    assert signatures.record() == recorded
+    recorded = json.load(open(signatures.JSON_PATH))
+    assert signatures.record() == recorded["names"]
+    assert signatures.record_fields() == recorded["modelpatcher_fields"]
 
 
 def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapter_dir, monkeypatch):
@@ -456,16 +476,239 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     snap = _snapshot(with_lora)
     cond = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2)), {}]]
     node = _node(comfy, "SdslimTrainAdapters")
-    out = node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond)
+    work = adapter_dir.parent / "sdslim_work" / "trained.safetensors.work"
+    mm = comfy["mm"]
+    checks = {"n": 0}
+    real_check = mm.throw_exception_if_processing_interrupted
+
+    def cancel_after_20():                           # the user presses Cancel during training
+        checks["n"] += 1
+        if checks["n"] > 20:
+            raise mm.InterruptProcessingException()
+        real_check()
+    monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", cancel_after_20)
+    with pytest.raises(mm.InterruptProcessingException):
+        node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond, latent_size=6)
+    monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", real_check)
+    assert work.is_dir() and not list(adapter_dir.glob("*.work"))       # kept for the resume, outside models/sdslim
+    out = node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond,
+                       latent_size=6)                                   # resumes
     assert "adapters written to" in out.args[0] and out.ui.as_dict()["text"] == (out.args[0],)
+    assert not work.exists() and not any(p.is_dir() for p in adapter_dir.iterdir())   # removed after success
     aset = AdapterSet.load(adapter_dir / "trained.safetensors")
     assert aset.family == "sd15" and set(aset.sites) == {s.name for s in layout.sites(weights)}
-    node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond)   # resumes
-    again = AdapterSet.load(adapter_dir / "trained.safetensors")
-    assert all(torch.equal(again.state_dict()[k], v) for k, v in aset.state_dict().items())
+    assert aset.metadata["sdslim.train"]["config"]["latent_size"] == 6
+    node.execute(model=with_lora, filename="fresh", ratio=0.5, steps=2, seed=0, positive=cond, latent_size=6)
+    fresh = AdapterSet.load(adapter_dir / "fresh.safetensors")
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in aset.state_dict().items())   # resume is exact
+    monkeypatch.setattr(with_lora.model.model_config, "sdslim_latent_size", 4, raising=False)   # as the tiny loader
+    node.execute(model=with_lora, filename="native", ratio=0.5, steps=2, seed=0, positive=cond)
+    assert AdapterSet.load(adapter_dir / "native.safetensors").metadata["sdslim.train"]["config"]["latent_size"] == 4
+    # only sdslim adapter files are offered by Slim UNet (not LoRAs or other safetensors placed there)
+    from safetensors.torch import save_file
+    save_file(_kohya_lora(weights, [ATTN], seed=1), str(adapter_dir / "a_lora.safetensors"))
+    listed = _node(comfy, "SdslimSlimUNet").define_schema().inputs[1].options
+    assert {"trained.safetensors", "fresh.safetensors", "native.safetensors"} <= set(listed)
+    assert "a_lora.safetensors" not in listed and not any(".work" in n for n in listed)
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=with_lora, adapters="trained.safetensors", strength=1.0,
                                                      enable=True).args
     assert slim.model_size() < with_lora.model_size()
     _assert_unchanged(with_lora, snap)
     with pytest.raises(ValueError, match="needs calibration conditioning"):
         node.execute(model=with_lora, filename="x", ratio=0.5, steps=2, seed=0)
+
+
+# ------------------------------------------------------------- the slim model is model.clone() on a new UNet
+
+def _cond(seed=2):
+    return [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(seed)), {}]]
+
+
+def _sample(comfy, model, positive=None, negative=None, steps=2):
+    latent = {"samples": torch.zeros(1, 4, 16, 16)}
+    (out,) = comfy["nodes"].common_ksampler(model, 1, steps, 5.0, "euler", "normal", positive or _cond(),
+                                            negative or _cond(), latent)
+    return out["samples"]
+
+
+def _slim(comfy, model, adapters="half.safetensors"):
+    return _node(comfy, "SdslimSlimUNet").execute(model=model, adapters=adapters, strength=1.0, enable=True).args[0]
+
+
+def test_torch_compile_before_slim_is_dropped_and_after_slim_compiles_the_slim_unet(comfy, tiny, adapter_dir,
+                                                                                   monkeypatch, caplog):
+    """TorchCompileModel's wrapper holds the compiled input UNet: carried over, it would run the teacher."""
+    import torch._dynamo
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)   # ComfyUI's UNet re-traces per block
+    patcher, _ = tiny
+    compiled_graphs = []
+
+    def backend(gm, example_inputs):          # a real torch.compile backend that runs the traced graph eagerly
+        compiled_graphs.append(gm)
+        return gm.forward
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    (compiled,) = TorchCompileModel.execute(patcher, "inductor").args      # compiles lazily, at the first call
+    with caplog.at_level(logging.WARNING, logger="sdslim"):
+        slim_after_compile = _slim(comfy, compiled)
+    assert any("torch.compile" in r.getMessage() and "after Slim UNet" in r.getMessage() for r in caplog.records)
+    assert "torch_compile_kwargs" not in slim_after_compile.model_options
+    slim = _slim(comfy, patcher)
+    teacher, reference = _sample(comfy, patcher), _sample(comfy, slim)
+    assert (teacher - reference).abs().max() > 1e-3
+    torch.testing.assert_close(_sample(comfy, slim_after_compile), reference)
+    compiled_slim = slim.clone()
+    set_torch_compile_wrapper(compiled_slim, backend=backend)      # TorchCompileModel's call, a compiler-free backend
+    torch.testing.assert_close(_sample(comfy, compiled_slim, steps=1), _sample(comfy, slim, steps=1),
+                               rtol=1e-4, atol=1e-4)
+    assert compiled_graphs                                          # compile after Slim UNet runs the slim UNet
+
+
+def _decorate(comfy, model, calls):
+    """A clone with an attention patch, a post-CFG function, an APPLY_MODEL wrapper and two callbacks that each
+    change the result (or count) in ``calls``."""
+    import comfy.patcher_extension as ext
+    m = model.clone()
+
+    def attn2(q, k, v, extra_options):
+        calls["attn2"] = calls.get("attn2", 0) + 1
+        return q * 0.8, k, v
+
+    def post_cfg(args):
+        calls["post_cfg"] = calls.get("post_cfg", 0) + 1
+        return args["denoised"] * 0.9
+
+    def apply_model(executor, *args, **kwargs):
+        calls["wrapper"] = calls.get("wrapper", 0) + 1
+        return executor(*args, **kwargs) * 1.05
+
+    def pre_run(patcher):
+        calls["pre_run"] = calls.get("pre_run", 0) + 1
+
+    def on_clone(orig, new):
+        calls["on_clone"] = calls.get("on_clone", 0) + 1
+    m.set_model_attn2_patch(attn2)
+    m.set_model_sampler_post_cfg_function(post_cfg)
+    m.add_wrapper_with_key(ext.WrappersMP.APPLY_MODEL, "test", apply_model)
+    m.add_callback_with_key(ext.CallbacksMP.ON_PRE_RUN, "test", pre_run)
+    m.add_callback_with_key(ext.CallbacksMP.ON_CLONE, "test", on_clone)
+    return m
+
+
+def test_patches_wrappers_callbacks_and_hooks_act_before_and_after_slim(comfy, tiny, adapter_dir, caplog):
+    """Issue 14: everything ComfyUI's clone() carries survives Slim UNet, set before it or after it."""
+    hooks_api = importlib.import_module("comfy.hooks")
+    patcher, weights = tiny
+    before_calls, after_calls = {}, {}
+    before = _slim(comfy, _decorate(comfy, patcher, before_calls))
+    assert before_calls == {"on_clone": 1}                       # Slim UNet clones the way ComfyUI does
+    after = _decorate(comfy, _slim(comfy, patcher), after_calls)
+    plain = _slim(comfy, patcher)
+    # a hook LoRA on the conditioning: attention keys fit the slim model, the FeedForward key does not
+    hook_lora = _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj"], seed=12)
+    hooks = hooks_api.create_hook_lora(hook_lora, strength_model=1.0, strength_clip=0.0)
+    hooked = hooks_api.set_hooks_for_conditioning(_cond(), hooks)
+    with caplog.at_level(logging.WARNING):
+        outs = {name: _sample(comfy, m, hooked, hooked) for name, m in (("before", before), ("after", after),
+                                                                           ("plain", plain))}
+        again = _sample(comfy, after, hooked, hooked)
+    unhooked = _sample(comfy, after)
+    torch.testing.assert_close(outs["before"], outs["after"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(again, outs["after"])
+    assert (outs["after"] - outs["plain"]).abs().max() > 1e-3      # the patches act ...
+    assert (outs["after"] - unhooked).abs().max() > 1e-3           # ... and so does the hook LoRA
+    for calls in (before_calls, after_calls):
+        assert {"attn2", "post_cfg", "wrapper", "pre_run"} <= set(calls), calls
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "hook" in warnings[0] and f"{FF}.net.0.proj.weight" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("budget", [0, 200_000])
+def test_slim_of_a_loaded_model_equals_slim_of_the_unloaded_one(comfy, tiny, adapter_dir, budget):
+    """The input MODEL may be loaded (LoRA merged in place, or lowvram weight functions) when Slim UNet runs."""
+    patcher, weights = tiny
+    comfy["mm"].unload_all_models()          # patched by hand below, not by another clone left loaded by a test
+    with_lora, _ = comfy["sd"].load_lora_for_models(
+        patcher, None, _kohya_lora(weights, [ATTN, f"{FF}.net.0.proj", f"{RES}.in_layers.2"], seed=13), 1.0, 0.0)
+    x, t, ctx = _inputs()
+    with_lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
+    try:
+        loaded_ref = _forward(with_lora, x, t, ctx)
+        slim_loaded = _slim(comfy, with_lora)
+        assert not slim_loaded.model.model_lowvram and slim_loaded.model.model_loaded_weight_memory == 0
+        assert not slim_loaded.backup and slim_loaded.parent is None
+    finally:
+        with_lora.unpatch_model()
+    snap = _snapshot(with_lora)
+    slim_fresh = _slim(comfy, with_lora)
+    outs = []
+    for m in (slim_loaded, slim_fresh):
+        m.patch_model()
+        try:
+            outs.append(_forward(m, x, t, ctx))
+        finally:
+            m.unpatch_model()
+    torch.testing.assert_close(outs[0], outs[1])
+    with_lora.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=budget)
+    try:
+        torch.testing.assert_close(_forward(with_lora, x, t, ctx), loaded_ref)
+    finally:
+        with_lora.unpatch_model()
+    _assert_unchanged(with_lora, snap)
+
+
+# ---------------------------------------------------------------------------------- the shipped tiny demo
+
+def test_tiny_demo_node_gives_comfyui_objects_that_match_the_core_pipeline(comfy, caplog):
+    """MODEL/CLIP/VAE/CONTROL_NET of the shipped tiny assets, used by ComfyUI's own nodes; each part equals the
+    core's diffusers pipeline (a second code path) on the same inputs."""
+    from sdslim_core import tiny
+    nodes = comfy["nodes"]
+    model, clip, vae, control = _node(comfy, "SdslimTinyDemo").execute().args
+    pipe = tiny.load_tiny_pipeline()
+    prompt = "a red circle on a blue background"
+    pos, neg = nodes.CLIPTextEncode().encode(clip, prompt)[0], nodes.CLIPTextEncode().encode(clip, "")[0]
+    ctx = pipe.encode_prompt([prompt])
+    torch.testing.assert_close(pos[0][0], ctx)
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([500.0])
+    model.patch_model()
+    try:
+        out = _forward(model, x, t, ctx)
+    finally:
+        model.unpatch_model()
+    with torch.no_grad():
+        torch.testing.assert_close(out, pipe.unet(x, t, encoder_hidden_states=ctx).sample, rtol=1e-4, atol=1e-4)
+        image = nodes.VAEDecode().decode(vae, {"samples": x})[0]
+        torch.testing.assert_close(image, pipe.decode(x * pipe.scaling_factor).movedim(1, -1), rtol=1e-4, atol=1e-4)
+    assert model.model.model_config.sdslim_latent_size == 8
+    # ComfyUI's own LoRA loader finds and applies the shipped LoRA; the shipped adapter file is offered to Slim UNet
+    lora_file = comfy["folder_paths"].get_full_path("loras", "tiny_lora_green.safetensors")
+    from safetensors import safe_open
+    with safe_open(lora_file, "pt") as f:
+        n_modules = sum(k.endswith(".lora_up.weight") for k in f.keys())
+    with caplog.at_level(logging.WARNING):
+        lora_model, lora_clip = nodes.LoraLoader().load_lora(model, clip, "tiny_lora_green.safetensors", 1.0, 1.0)
+    assert len(lora_model.patches) == n_modules and not caplog.records
+    assert "tiny_sd15_slim_half.safetensors" in _node(comfy, "SdslimSlimUNet").define_schema().inputs[1].options
+    slim = _slim(comfy, lora_model, "tiny_sd15_slim_half.safetensors")
+    assert slim.model_size() < 0.8 * model.model_size()
+    # the demo images: the LoRA paints green, the mask ControlNet moves the shape onto the mask
+    latent = nodes.EmptyLatentImage().generate(64, 64, 1)[0]
+    mask = torch.zeros(1, 32, 32, 3)
+    mask[:, 2:14, 2:14] = 1
+    cpos, cneg = nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, control, mask, 1.0, 0.0, 1.0)
+
+    def image(m, p, n):
+        return nodes.VAEDecode().decode(vae, nodes.common_ksampler(m, 0, 20, 4.0, "euler", "normal", p, n, latent)[0])[0]
+    green, controlled = image(slim, pos, neg), image(slim, cpos, cneg)
+    plain = image(_slim(comfy, model, "tiny_sd15_slim_half.safetensors"), pos, neg)
+
+    def frac_green(img):
+        return ((img[..., 1] > 0.5) & (img[..., 0] < 0.4)).float().mean().item()
+
+    def shape_in_mask(img):      # share of the non-background (non-blue) pixels inside the mask's square
+        shape = (img[..., 2] < 0.5) | (img[..., 0] > 0.5) | (img[..., 1] > 0.5)
+        return (shape & (mask[..., 0] > 0)).float().sum().item() / max(shape.float().sum().item(), 1)
+    assert frac_green(green) > frac_green(plain) + 0.05
+    assert shape_in_mask(controlled) > shape_in_mask(green) + 0.2

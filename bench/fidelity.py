@@ -87,6 +87,7 @@ class Teacher:
     def row(self, label: str, model, model_lora, weights: dict, method: str | None, cpu_s: float | None) -> dict:
         r = fidelity.compare(self.probe, self.ref, model, model_lora)
         r.pop("images", None)
+        r.pop("detail", None)
         n = sum(v.numel() for v in weights.values())
         r.update(label=label, params_ratio=n / self.params, bytes=quant.storage_bytes(weights, method),
                  flops_ratio=fidelity.forward_flops(model, *self.flop_args) / self.flops, cpu_s=cpu_s)

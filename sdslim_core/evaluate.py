@@ -1,6 +1,7 @@
-"""`sdslim eval`: same-seed comparison of the teacher and the slim UNet (optionally both with the same LoRAs).
+"""`sdslim eval`: same-seed comparison of the teacher and its slim UNet — and of what users pick instead.
 
-Metrics, all from the same starting noise and conditioning:
+Everything runs on the fidelity engine (:mod:`sdslim_core.fidelity`), from the same starting noise (one sample per
+seed) and conditioning:
 
 - ``eps_rel_error``: ‖ε_slim − ε_teacher‖ / ‖ε_teacher‖ on the inputs the teacher's own sampling trajectory visits
   (several timesteps from noisy to clean), per timestep and overall;
@@ -9,6 +10,11 @@ Metrics, all from the same starting noise and conditioning:
 - with a VAE in the checkpoint: ``image.psnr_db`` / ``image.ssim`` of the decoded images and a side-by-side PNG;
 - with LoRAs: ``lora_effect_cosine`` = cos(ε_slim+LoRA − ε_slim, ε_teacher+LoRA − ε_teacher): does the slim model
   move the way the teacher does when the LoRA is applied?
+- ``ladder``: the bench's fidelity ladder for this checkpoint: the slim model and the ``compare`` alternatives (fp8
+  storage, GGUF Q8_0 / Q4_0 round trips, slim + fp8) with params ×, weight bytes, forward FLOPs ×, latent / image
+  PSNR, SSIM, ε error (plain and CFG-guided), LoRA-effect cosine and ControlNet-effect cosine. The ControlNet
+  effect uses synthetic ControlNet-like residuals (smooth random fields scaled to each skip feature's RMS; a real
+  ControlNet needs its own file and control image), identical for every row.
 
 Conditioning: the checkpoint's own text encoder when it can run offline (the tiny shipped model), else embeddings
 from ``--embeddings`` (a safetensors file with ``context`` [T, D] and optional ``uncond``), else unconditional
@@ -24,11 +30,11 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch import nn
 
-from . import fold, layout, sampling, swap
+
+from . import layout, sampling
 from .adapters import AdapterSet
-from .fidelity import cosine, jsonable, psnr, rel_error, ssim
+from .fidelity import jsonable
 from .lora import merge_loras
 from .safetensors_io import FileFormatError, LazyStateDict, read_header
 from .unet import load_diffusers_unet, open_checkpoint
@@ -49,40 +55,6 @@ def _mean(values):
 
 
 # --------------------------------------------------------------------------------------------- models
-
-def with_weights(unet: nn.Module, cfg: layout.UNetConfig, updates: dict) -> nn.Module:
-    """A clone of a diffusers ``unet`` sharing its parameters except the canonical keys in ``updates``."""
-    out = swap.clone_sharing(unet)
-    for ckey, value in updates.items():
-        dkey = layout.canonical_to_diffusers_key(cfg, ckey)
-        path, _, pname = dkey.rpartition(".")
-        module = out.get_submodule(path)
-        old = getattr(module, pname)
-        setattr(module, pname, nn.Parameter(value.to(old.dtype).to(old.device), requires_grad=False))
-    return out
-
-
-class _Models:
-    """Teacher and slim UNets (with LoRAs when given), plus the LoRA-free pair for the LoRA-effect cosine."""
-
-    def __init__(self, teacher: nn.Module, cfg, aset: AdapterSet, loras: Sequence):
-        weights = layout.to_canonical(teacher.state_dict())[0]
-        self.report = None
-        self.teacher0 = teacher
-        self.slim0 = swap.build_slim_module(teacher, aset, fold.fold_state_dict(weights, aset))
-        if loras:
-            merged, self.report = merge_loras(weights, loras, cfg, fold_sites=aset)
-            self.teacher = with_weights(teacher, cfg, merged)
-            both = collections.ChainMap(merged, weights)
-            self.slim = swap.build_slim_module(self.teacher, aset, fold.fold_state_dict(both, aset))
-        else:
-            self.teacher, self.slim = self.teacher0, self.slim0
-
-    def params(self) -> dict:
-        def count(m):
-            return sum(p.numel() for p in m.parameters())
-        return {"teacher": count(self.teacher0), "slim": count(self.slim0)}
-
 
 def _unet_fn(unet, cfg: layout.UNetConfig, pooled=None, size=None):
     """``fn(x, t, context)`` for the sampler; SDXL gets pooled text (zeros unless given) and size conditioning."""
@@ -227,94 +199,143 @@ def _png(rows: list[tuple[torch.Tensor, torch.Tensor]], path: Path) -> Path:
     return path
 
 
+COMPARE = ("fp8", "q8_0", "q4_0", "slim+fp8")
+
+
+def _ladder_row(label, r: dict, weights: dict, method, flops: float, teacher_params: int) -> dict:
+    from . import quant
+    n = sum(v.numel() for v in weights.values())
+    keys = ("latent_psnr_db", "image_psnr_db", "image_ssim", "eps_rel_error", "guided_eps_rel_error",
+            "lora_effect_cosine", "controlnet_effect_cosine")
+    return {"row": label, "params_ratio": n / teacher_params, "weight_bytes": quant.storage_bytes(weights, method),
+            "flops_ratio": flops, **{k: r.get(k) for k in keys}}
+
+
 @torch.no_grad()
 def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 20, method: str = "ddim",
              guidance: float | None = None, prompt: str | None = None, embeddings=None, png=None,
-             latent_size: int | None = None, eps_points: int = 5, select: float = 1.0, device: str = "cpu") -> dict:
-    """Compare the teacher (``ckpt`` + ``loras``) with its slim form (``adapters`` folded); returns a dict."""
+             latent_size: int | None = None, eps_points: int = 5, select: float = 1.0, device: str = "cpu",
+             compare: Sequence[str] = ()) -> dict:
+    """Compare the teacher (``ckpt``) with its slim form (``adapters`` folded), with ``loras`` for the LoRA-effect
+    cosine, and with each ``compare`` alternative (:data:`COMPARE`) in the ladder; returns a dict."""
+    from .fidelity import Candidates, Probe, compare as compare_with, forward_flops, reference
+    from .train.augment import skip_rms, smooth_residuals
     if seeds < 1:
         raise ValueError("--seeds must be at least 1")
+    unknown = sorted(set(compare) - set(COMPARE))
+    if unknown:
+        raise ValueError(f"--compare: unknown {unknown}; choose from {', '.join(COMPARE)}")
     t0 = time.perf_counter()
     setup = _Setup(ckpt, prompt, embeddings, guidance, latent_size, device)
     cfg = setup.cfg
     aset = adapters if isinstance(adapters, AdapterSet) else AdapterSet.load(adapters)
     if select < 1.0:
         aset = aset.select(select)
-    shapes = {k: tuple(v.shape) for k, v in layout.to_canonical(setup.teacher.state_dict())[0].items()}
-    aset.check_model(shapes, family=cfg.family)
-    models = _Models(setup.teacher, cfg, aset, list(loras))
+    weights = {k: v.detach().float() for k, v in layout.to_canonical(setup.teacher.state_dict())[0].items()}
+    aset.check_model({k: tuple(v.shape) for k, v in weights.items()}, family=cfg.family)
+    report = None
+    merged = {}
+    if loras:
+        merged, report = merge_loras(weights, list(loras), cfg, fold_sites=aset)
+    cands = Candidates(setup.teacher, cfg, weights, merged)
 
-    def fn(unet):
+    def fn_of(unet):
         return _unet_fn(unet, cfg, setup.pooled)
-    f_teacher, f_slim = fn(models.teacher), fn(models.slim)
-    f_teacher0, f_slim0 = fn(models.teacher0), fn(models.slim0)
-    sample_kw = dict(schedule=setup.schedule, steps=steps, method=method, guidance=setup.guidance)
+    noise = torch.cat([torch.randn(1, cfg.in_channels, setup.latent_size, setup.latent_size,
+                                   generator=torch.Generator().manual_seed(s)) for s in range(seeds)]).to(device)
+    context = setup.context.expand(seeds, -1, -1)
+    uncond = None if setup.uncond is None else setup.uncond.expand(seeds, -1, -1)
+    f_teacher = fn_of(setup.teacher)
+    rms = skip_rms(setup.teacher, lambda: f_teacher(noise, torch.full((seeds,), 500.0, device=device), context))
+    control_gen = torch.Generator().manual_seed(1234)
 
-    eps_by_t: dict = collections.defaultdict(list)
-    cos_by_t: dict = collections.defaultdict(list)
-    latent_psnr, image_psnr, image_ssim, rows = [], [], [], []
-    for seed in range(seeds):
-        g = torch.Generator().manual_seed(seed)
-        noise = torch.randn(1, cfg.in_channels, setup.latent_size, setup.latent_size, generator=g).to(device)
-        calls = []
+    def control(x, t, ctx):
+        return smooth_residuals(rms, x.shape[0], control_gen, x.device, x.dtype)
+    probe = Probe(fn_of=fn_of, context=context, uncond=uncond, noise=noise, schedule=setup.schedule, steps=steps,
+                  method=method, guidance=setup.guidance, decode=setup.decode, control=control, eps_points=eps_points)
+    teacher_lora = cands.unet({**weights, **merged}).to(device) if loras else None
+    ref = reference(probe, setup.teacher, teacher_lora)
+    flop_args = ref.inputs[0]
+    teacher_flops = forward_flops(f_teacher, *flop_args)
 
-        def recording(x, t, context, **res):
-            out = f_teacher(x, t, context, **res)
-            calls.append((x, t, context, out))
-            return out
-        lat_t = sampling.sample(recording, noise, setup.context, setup.uncond, **sample_kw)
-        lat_s = sampling.sample(f_slim, noise, setup.context, setup.uncond, **sample_kw)
-        k = min(eps_points, len(calls))             # evenly spaced along the trajectory, first and last included
-        picks = sorted({round(i * (len(calls) - 1) / max(1, k - 1)) for i in range(k)})
-        for i in picks:
-            x, t, context, e_t = calls[i]
-            tkey = int(round(float(t.flatten()[0])))
-            e_s = f_slim(x, t, context)
-            eps_by_t[tkey].append(rel_error(e_s, e_t))
-            if loras:
-                d_t = e_t - f_teacher0(x, t, context)
-                d_s = e_s - f_slim0(x, t, context)
-                cos_by_t[tkey].append(cosine(d_s, d_t))
-        latent_psnr.append(psnr(lat_s, lat_t))
-        if setup.decode is not None:
-            img_t, img_s = setup.decode(lat_t.float())[0], setup.decode(lat_s.float())[0]
-            image_psnr.append(psnr(img_s, img_t, peak=1.0))
-            image_ssim.append(ssim(img_s, img_t))
-            rows.append((img_t.cpu(), img_s.cpu()))
+    def flops_ratio(model):
+        return forward_flops(fn_of(model), *flop_args) / teacher_flops
 
-    all_eps = [v for vs in eps_by_t.values() for v in vs]
+    teacher_params = sum(v.numel() for v in weights.values())
+    rows, slim_r = [], None
+    todo = [("slim", None)] + [(c, c) for c in compare]
+    for label, what in todo:
+        if what is None or what == "slim+fp8":
+            model, model_lora, w = cands.slim(aset, "fp8" if what else None)
+            storage = "fp8" if what else None
+        else:
+            model, model_lora, w = cands.quantised(what)
+            storage = what
+        model = model.to(device)
+        model_lora = None if model_lora is None else model_lora.to(device)
+        r = compare_with(probe, ref, model, model_lora)
+        rows.append(_ladder_row(label, r, w, storage, flops_ratio(model), teacher_params))
+        if what is None:
+            slim_r, slim_params = r, sum(p.numel() for p in model.parameters())
+    d = slim_r["detail"]
+    by_t: dict = collections.defaultdict(list)
+    cos_t: dict = collections.defaultdict(list)
+    for i, tt in enumerate(d["timesteps"]):
+        by_t[int(round(tt))].append(d["eps_rel_error"][i])
+        if "lora_effect_cosine" in d:
+            cos_t[int(round(tt))].append(d["lora_effect_cosine"][i])
     result = {
         "checkpoint": str(setup.checkpoint.path),
         "family": cfg.family,
         "adapters": str(aset.source),
         "sites": len(aset.sites),
-        "params": models.params(),
+        "params": {"teacher": teacher_params, "slim": slim_params},
         "conditioning": setup.conditioning,
         "sampler": {"method": method, "steps": steps, "guidance": setup.guidance, "seeds": seeds,
                     "latent_size": setup.latent_size, "schedule": setup.schedule.to_dict()},
-        "eps_rel_error": {"mean": _mean(all_eps), "max": max(all_eps),
-                          "by_timestep": {t: _mean(v) for t, v in sorted(eps_by_t.items(), reverse=True)}},
-        "latent_psnr_db": {"mean": _mean(latent_psnr), "min": min(latent_psnr), "per_seed": latent_psnr},
+        "eps_rel_error": {"mean": _mean(d["eps_rel_error"]), "max": max(d["eps_rel_error"]),
+                          "overall": slim_r["eps_rel_error"], "guided": slim_r["guided_eps_rel_error"],
+                          "by_timestep": {t: _mean(v) for t, v in sorted(by_t.items(), reverse=True)}},
+        "latent_psnr_db": {"mean": _mean(d["latent_psnr_db"]), "min": min(d["latent_psnr_db"]),
+                           "per_seed": d["latent_psnr_db"]},
+        "ladder": rows,
+        "controlnet_note": "ControlNet effect: synthetic ControlNet-like residuals (smooth random fields at each "
+                           "skip feature's RMS scale), the same for every row",
     }
     if setup.decode is not None:
-        image = {"psnr_db": _mean(image_psnr), "ssim": _mean(image_ssim), "per_seed_psnr_db": image_psnr,
-                 "per_seed_ssim": image_ssim}
+        image = {"psnr_db": _mean(d["image_psnr_db"]), "ssim": _mean(d["image_ssim"]),
+                 "per_seed_psnr_db": d["image_psnr_db"], "per_seed_ssim": d["image_ssim"]}
         if png:
-            image["png"] = str(_png(rows, Path(png)))
+            pairs = [(a.cpu(), b.cpu()) for a, b in zip(ref.images, slim_r["images"])]
+            image["png"] = str(_png(pairs, Path(png)))
         result["image"] = image
     else:
         result["image"] = None
         result["image_note"] = setup.image_note
     if loras:
-        all_cos = [v for vs in cos_by_t.values() for v in vs]
+        cs = d["lora_effect_cosine"]
         result["loras"] = [{"path": str(p), "strength": float(s)} for p, s in loras]
-        result["lora_effect_cosine"] = {"mean": _mean(all_cos), "min": min(all_cos),
-                                        "by_timestep": {t: _mean(v) for t, v in sorted(cos_by_t.items(),
+        result["lora_effect_cosine"] = {"mean": _mean(cs), "min": min(cs), "overall": slim_r["lora_effect_cosine"],
+                                        "by_timestep": {t: _mean(v) for t, v in sorted(cos_t.items(),
                                                                                      reverse=True)}}
-        result["merge"] = models.report.to_dict()
-        result["warnings"] = list(models.report.warnings)
+        result["merge"] = report.to_dict()
+        result["warnings"] = list(report.warnings)
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def format_ladder(rows: list) -> str:
+    """The ladder rows as a Markdown table."""
+    def f(v, spec):
+        return "–" if v is None else ("inf" if v == math.inf else format(v, spec))
+    out = ["| row | params × | weight MB | FLOPs × | latent PSNR dB | image PSNR dB | SSIM | ε rel err | guided ε err "
+           "| LoRA cos | ControlNet cos |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['row']} | {r['params_ratio']:.3f} | {r['weight_bytes'] / 1e6:.1f} | {r['flops_ratio']:.2f} "
+                   f"| {f(r['latent_psnr_db'], '.1f')} | {f(r['image_psnr_db'], '.1f')} | {f(r['image_ssim'], '.3f')} "
+                   f"| {f(r['eps_rel_error'], '.4f')} | {f(r['guided_eps_rel_error'], '.4f')} "
+                   f"| {f(r['lora_effect_cosine'], '.4f')} | {f(r['controlnet_effect_cosine'], '.4f')} |")
+    return "\n".join(out)
 
 
 def format_result(r: dict) -> str:
@@ -339,6 +360,8 @@ def format_result(r: dict) -> str:
         c = r["lora_effect_cosine"]
         lines.append(f"LoRA effect cosine: mean {c['mean']:.4f}, min {c['min']:.4f}")
         lines += [f"warning: {w}" for w in r.get("warnings", [])]
+    lines += ["", "fidelity ladder (same seeds; weight MB in each format's own storage):", format_ladder(r["ladder"]),
+              r["controlnet_note"]]
     return "\n".join(lines)
 
 

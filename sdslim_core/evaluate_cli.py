@@ -1,4 +1,4 @@
-"""`sdslim eval`: teacher vs slim from the same seeds (eps error, latent/image PSNR, SSIM, LoRA-effect cosine)."""
+"""`sdslim eval`: teacher vs slim (and fp8 / GGUF alternatives) from the same seeds: the fidelity ladder."""
 from __future__ import annotations
 
 import sys
@@ -12,7 +12,8 @@ def run(args) -> int:
     png = None if args.no_png else args.png
     result = evaluate(args.ckpt, args.adapters, loras, seeds=args.seeds, steps=args.steps, method=args.method,
                       guidance=args.guidance, prompt=args.prompt, embeddings=args.embeddings, png=png,
-                      latent_size=args.latent_size, select=args.select, device=args.device)
+                      latent_size=args.latent_size, select=args.select, device=args.device,
+                      compare=[] if args.compare in ("", "none") else args.compare.split(","))
     if args.json:
         print(dumps(result))
     else:
@@ -46,5 +47,9 @@ def register(sub):
     p.add_argument("--no-png", action="store_true", help="do not write the PNG")
     p.add_argument("--select", type=float, default=1.0, help="fraction of adapter sites to fold (default all)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--compare", default="fp8,q8_0,q4_0,slim+fp8",
+                   help="alternatives in the fidelity ladder next to the slim model: any of fp8 (float8_e4m3fn "
+                        "storage), q8_0 / q4_0 (GGUF block round trips), slim+fp8; 'none' for the slim row only "
+                        "(default: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)

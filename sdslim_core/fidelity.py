@@ -159,7 +159,8 @@ def _guided(eps: torch.Tensor, guidance: float) -> torch.Tensor:
 @torch.no_grad()
 def compare(probe: Probe, ref: Reference, candidate: nn.Module, candidate_lora: nn.Module | None = None) -> dict:
     """The ladder's fidelity columns of ``candidate`` (and ``candidate_lora``, the candidate with the same LoRA the
-    reference was given) against the teacher's :class:`Reference`."""
+    reference was given) against the teacher's :class:`Reference`; ``detail`` holds the per-sample latent and
+    image PSNR and, per trajectory input, its timestep, ε error and LoRA-effect cosine."""
     fn = probe.fn_of(candidate)
     latents = probe.sample(fn)
     eps = [fn(*inp) for inp in ref.inputs]
@@ -171,16 +172,23 @@ def compare(probe: Probe, ref: Reference, candidate: nn.Module, candidate_lora: 
                                           torch.cat([_guided(e, probe.guidance) for e in ref.eps]))
         if guided else None,
     }
+    detail = {"latent_psnr_db": [psnr(a, b) for a, b in zip(latents, ref.latents)],
+              "timesteps": [float(inp[1].flatten()[0]) for inp in ref.inputs],
+              "eps_rel_error": [rel_error(e, r) for e, r in zip(eps, ref.eps)]}
     if ref.images is not None:
         images = probe.decode(latents)
         out["image_psnr_db"] = psnr(images, ref.images, peak=1.0)
         out["image_ssim"] = ssim(images, ref.images)
         out["images"] = images
+        detail["image_psnr_db"] = [psnr(a, b, peak=1.0) for a, b in zip(images, ref.images)]
+        detail["image_ssim"] = [ssim(a, b) for a, b in zip(images, ref.images)]
     if candidate_lora is not None and ref.eps_lora is not None:
         fl = probe.fn_of(candidate_lora)
-        d_c = torch.cat([fl(*inp) - e for inp, e in zip(ref.inputs, eps)])
-        d_t = torch.cat([el - e for el, e in zip(ref.eps_lora, ref.eps)])
-        out["lora_effect_cosine"] = cosine(d_c, d_t)
+        d_c = [fl(*inp) - e for inp, e in zip(ref.inputs, eps)]
+        d_t = [el - e for el, e in zip(ref.eps_lora, ref.eps)]
+        out["lora_effect_cosine"] = cosine(torch.cat(d_c), torch.cat(d_t))
+        detail["lora_effect_cosine"] = [cosine(a, b) for a, b in zip(d_c, d_t)]
+    out["detail"] = detail
     if ref.residuals is not None:
         d_c = torch.cat([fn(*inp, **res) - e for inp, res, e in zip(ref.inputs, ref.residuals, eps)])
         d_t = torch.cat([ec - e for ec, e in zip(ref.eps_control, ref.eps)])
@@ -240,9 +248,10 @@ class Candidates:
         return self.unet(slim_w, groups), lora, slim_w
 
 
-def forward_flops(module: nn.Module, *args, **kwargs) -> int:
-    """Floating-point operations of one forward call (matmuls and convolutions, counted by torch)."""
+def forward_flops(fn, *args, **kwargs) -> int:
+    """Floating-point operations of one call of ``fn`` (a module or a function; matmuls and convolutions, as
+    counted by torch)."""
     from torch.utils.flop_counter import FlopCounterMode
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        module(*args, **kwargs)
+        fn(*args, **kwargs)
     return int(counter.get_total_flops())

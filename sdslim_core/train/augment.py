@@ -22,9 +22,34 @@ from .. import layout, swap
 from .calibration import InputBank, _gen, unet_call
 
 
-def _skip_modules(unet: nn.Module):
-    """The diffusers modules whose outputs a ControlNet's residuals are added to, in residual order."""
-    return unet.conv_in, list(unet.down_blocks), unet.mid_block
+@torch.no_grad()
+def skip_rms(unet: nn.Module, forward) -> list[tuple[tuple, float]]:
+    """(shape without batch, RMS) of every feature a ControlNet adds a residual to — the diffusers UNet's skips in
+    residual order, then the middle block's output — during ``forward()`` (a call that runs ``unet``)."""
+    got: list = []
+    hooks = [unet.conv_in.register_forward_hook(lambda m, i, o: got.append([o]))]
+    hooks += [b.register_forward_hook(lambda m, i, o: got.append(list(o[1]))) for b in unet.down_blocks]
+    hooks.append(unet.mid_block.register_forward_hook(lambda m, i, o: got.append([o])))
+    try:
+        forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(tuple(f.shape[1:]), float(f.float().pow(2).mean().sqrt())) for group in got for f in group]
+
+
+def smooth_residuals(rms: list, batch: int, generator: torch.Generator, device=None, dtype=None) -> dict:
+    """Random ControlNet-like residual kwargs for a diffusers UNet: per feature a smooth random field (drawn at half
+    resolution, upsampled) of RMS uniform in [0, the feature's RMS] per sample."""
+    out = []
+    for shape, scale in rms:
+        c, h, w = shape
+        z = torch.randn(batch, c, max(1, h // 2), max(1, w // 2), generator=generator)
+        if z.shape[-2:] != (h, w):
+            z = F.interpolate(z, size=(h, w), mode="bilinear", align_corners=False)
+        z = z / z.pow(2).mean(dim=(1, 2, 3), keepdim=True).sqrt().clamp_min(1e-12)
+        out.append((z * torch.rand(batch, 1, 1, 1, generator=generator) * scale).to(device, dtype))
+    return {"down_block_additional_residuals": tuple(out[:-1]), "mid_block_additional_residual": out[-1]}
 
 
 class Augmenter:
@@ -43,22 +68,13 @@ class Augmenter:
                 if role != "norm2":
                     self.layers.append(teacher.get_submodule(path).weight)
 
-    @torch.no_grad()
-    def _skip_rms(self, teacher, bank: InputBank, device, dtype, amp, n: int = 8) -> list:
-        """RMS of every skip feature (and of the middle output, last) on ``n`` fit inputs of the teacher."""
-        conv_in, downs, mid = _skip_modules(teacher)
-        got: list = []
-        hooks = [conv_in.register_forward_hook(lambda m, i, o: got.append([o]))]
-        hooks += [b.register_forward_hook(lambda m, i, o: got.append(list(o[1]))) for b in downs]
-        hooks.append(mid.register_forward_hook(lambda m, i, o: got.append([o])))
-        try:
+    @staticmethod
+    def _skip_rms(teacher, bank: InputBank, device, dtype, amp, n: int = 8) -> list:
+        """:func:`skip_rms` on ``n`` fit inputs of the teacher."""
+        def forward():
             with amp():
                 unet_call(teacher, bank.batch(bank.fit_ids()[:n], device, dtype))
-        finally:
-            for h in hooks:
-                h.remove()
-        feats = [f for group in got for f in group]
-        return [(tuple(f.shape[1:]), float(f.float().pow(2).mean().sqrt())) for f in feats]
+        return skip_rms(teacher, forward)
 
     def draw(self, step: int) -> tuple[bool, bool]:
         """(inject residuals, perturb weights) for ``step``."""
@@ -67,16 +83,7 @@ class Augmenter:
 
     def residuals(self, step: int, batch: int, device, dtype) -> dict:
         """UNet keyword residuals (``down_block_additional_residuals``, ``mid_block_additional_residual``)."""
-        g = _gen(self.seed, 92, step)
-        out = []
-        for shape, rms in self.rms:
-            c, h, w = shape
-            z = torch.randn(batch, c, max(1, h // 2), max(1, w // 2), generator=g)
-            z = F.interpolate(z, size=(h, w), mode="bilinear", align_corners=False) if (h, w) != z.shape[-2:] else z
-            z = z / z.pow(2).mean(dim=(1, 2, 3), keepdim=True).sqrt().clamp_min(1e-12)
-            scale = torch.rand(batch, 1, 1, 1, generator=g) * rms
-            out.append((z * scale).to(device, dtype))
-        return {"down_block_additional_residuals": tuple(out[:-1]), "mid_block_additional_residual": out[-1]}
+        return smooth_residuals(self.rms, batch, _gen(self.seed, 92, step), device, dtype)
 
     @contextlib.contextmanager
     def weight_deltas(self, step: int):

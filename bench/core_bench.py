@@ -33,6 +33,26 @@ def count_table():
                   f"{slim * 2 / 2**30:>10.3f}")
 
 
+def cpu_timer(fn) -> float:
+    """Seconds one call of ``fn`` takes (wall clock)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_times(models: dict, call, repeats: int, warmup: int = 1, timer=cpu_timer) -> dict:
+    """{name: [seconds per call]}: ``warmup`` untimed calls of each model, then ``repeats`` rounds calling every
+    model once per round (interleaved: each sees the same machine state), timed by ``timer(fn)``."""
+    for m in models.values():
+        for _ in range(warmup):
+            call(m)
+    times = {k: [] for k in models}
+    for _ in range(repeats):
+        for name, m in models.items():
+            times[name].append(timer(lambda: call(m)))
+    return times
+
+
 def latency(repeats: int):
     cfg = layout.config_for_arch("sd15")
     torch.manual_seed(0)
@@ -43,15 +63,8 @@ def latency(repeats: int):
         aset = adapters.AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), ratio), "sd15")
         models[f"slim {ratio}"] = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset)).eval()
     x, t, ctx = torch.randn(1, 4, 64, 64), torch.tensor([500]), torch.randn(1, 77, 768)
-    times = {k: [] for k in models}
     with torch.inference_mode():
-        for m in models.values():                       # warm-up
-            m(x, t, encoder_hidden_states=ctx)
-        for _ in range(repeats):
-            for name, m in models.items():              # interleaved: same machine state for each
-                t0 = time.perf_counter()
-                m(x, t, encoder_hidden_states=ctx)
-                times[name].append(time.perf_counter() - t0)
+        times = interleaved_times(models, lambda m: m(x, t, encoder_hidden_states=ctx), repeats)
     base = statistics.median(times["original"])
     print(f"\nSD1.5 UNet forward, 64x64 latent, batch 1, fp32, {torch.get_num_threads()} threads, "
           f"median of {repeats}")

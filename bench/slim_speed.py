@@ -78,8 +78,9 @@ save_file_atomic(out, {out!r}, meta)
 """
 
 
-def generate_checkpoint(path: Path, shapes: dict, seed: int = 0):
-    """Random fp16 SD1.5 checkpoint written tensor by tensor (never the whole model in memory)."""
+def generate_checkpoint(path: Path, shapes: dict, seed: int = 0, cfg=None):
+    """Random fp16 checkpoint (SD1.5 unless ``cfg``, a UNetConfig matching ``shapes``, says otherwise) written
+    tensor by tensor (never the whole model in memory)."""
     import torch
     from sdslim_core import layout
     from sdslim_core.slim import write_safetensors_streaming
@@ -94,7 +95,7 @@ def generate_checkpoint(path: Path, shapes: dict, seed: int = 0):
         shape = index[key]
         fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
         return (torch.randn(shape, generator=g) / math.sqrt(fan_in)).half()
-    cfg = layout.config_for_arch("sd15")
+    cfg = cfg or layout.config_for_arch("sd15")
     write_safetensors_streaming(path, entries, produce, {UNET_CONFIG_KEY: json.dumps(cfg.to_dict())})
 
 
@@ -139,22 +140,28 @@ def locon(shapes: dict, rank: int = 16, seed: int = 2) -> dict:
     return out
 
 
-def generate(folder: Path, ratio: float, threads: int):
-    """Write the inputs into ``folder`` (run in a child process, so the measuring parent stays small)."""
+def write_inputs(folder: Path, shapes: dict, ratio: float, cfg=None) -> dict:
+    """``sd15.safetensors`` (random checkpoint of ``shapes``), ``adapters.safetensors`` (dense, fp16) and
+    ``locon.safetensors`` in ``folder``; returns the UNet's params, slim params and site count."""
     import torch
     from sdslim_core import fold
-    from sdslim_core.breakdown_cli import canonical_shapes_for_arch
     from sdslim_core.safetensors_io import save_file_atomic
-    torch.set_num_threads(threads)
-    shapes, _ = canonical_shapes_for_arch("sd15")
-    generate_checkpoint(folder / "sd15.safetensors", shapes)
+    generate_checkpoint(folder / "sd15.safetensors", shapes, cfg=cfg)
     aset = dense_adapters(shapes, ratio)
     aset.save(folder / "adapters.safetensors", dtype=torch.float16)
     save_file_atomic(locon(shapes), folder / "locon.safetensors")
     ranks = aset.ranks()
-    print(json.dumps({"params": sum(math.prod(s) for s in shapes.values()),
-                      "slim_params": sum(math.prod(s) for s in fold.slim_shapes(shapes, ranks).values()),
-                      "sites": len(ranks)}))
+    return {"params": sum(math.prod(s) for s in shapes.values()),
+            "slim_params": sum(math.prod(s) for s in fold.slim_shapes(shapes, ranks).values()), "sites": len(ranks)}
+
+
+def generate(folder: Path, ratio: float, threads: int):
+    """Write the inputs into ``folder`` (run in a child process, so the measuring parent stays small)."""
+    import torch
+    from sdslim_core.breakdown_cli import canonical_shapes_for_arch
+    torch.set_num_threads(threads)
+    shapes, _ = canonical_shapes_for_arch("sd15")
+    print(json.dumps(write_inputs(folder, shapes, ratio)))
 
 
 def measure(argv: list, env: dict, workdir: Path) -> dict:

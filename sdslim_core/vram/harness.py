@@ -47,16 +47,21 @@ def original_unet(settings):
     return UNet2DConditionModel(**unet_config(settings))
 
 
-def slim_unet(settings):
-    """The slim UNet at ``settings.slim_ratio``: identity-like adapters folded into the original."""
+def slim_of(unet, ratio):
+    """``unet`` slimmed at ``ratio`` with identity-like adapters (the first r units of every site kept), built
+    on the device of the current ``torch.device`` context; untouched weights are shared with ``unet``."""
     try:
         from sdslim_core import adapters, fold, layout, swap
     except ImportError as err:
         raise RuntimeError(f"--slim-ratio needs sdslim_core.layout/adapters/fold/swap ({err})") from err
-    unet = original_unet(settings)
-    aset = adapters.AdapterSet.shaped_like(swap.tree_config(unet), ratio=settings.slim_ratio)
+    aset = adapters.AdapterSet.shaped_like(swap.tree_config(unet), ratio=ratio)
     canonical = layout.to_canonical(unet.state_dict())[0]
     return swap.build_slim_module(unet, aset, fold.fold_state_dict(canonical, aset))
+
+
+def slim_unet(settings):
+    """The slim UNet at ``settings.slim_ratio``: identity-like adapters folded into the original."""
+    return slim_of(original_unet(settings), settings.slim_ratio)
 
 
 def build_model(settings):
@@ -197,7 +202,8 @@ def resident_frozen(settings, device):
             torch.empty(TE_PARAMS[arch], dtype=dtype, device=device)]
 
 
-def _inputs(unet, settings, batch, device, dtype):
+def step_inputs(unet, settings, batch, device, dtype):
+    """Random (latents, timesteps, context, extra kwargs) of one step at ``settings.latent_size``."""
     cfg = getattr(unet, "config", None) or unet_config(settings)
     size = settings.latent_size
     latents = torch.randn(batch, cfg["in_channels"], size, size, device=device, dtype=dtype)
@@ -227,7 +233,7 @@ def _sample(out):
 def train_step(unet, optimizer, trainable, settings, batch, device, on_phase=lambda phase: None):
     """One training step; ``on_phase`` is called with "data", "fwd", "bwd", "opt", "idle"."""
     on_phase("data")
-    latents, timesteps, context, extra = _inputs(unet, settings, batch, device, weight_dtype(settings))
+    latents, timesteps, context, extra = step_inputs(unet, settings, batch, device, weight_dtype(settings))
     noise = torch.randn_like(latents)
     noisy = latents + noise  # scheduler.add_noise: same memory
     on_phase("fwd")
@@ -250,7 +256,7 @@ def sampling_step(unet, settings, batch, device, on_phase=lambda phase: None):
     """One UNet evaluation as a sampler does it (no grad). With CFG pass twice the image batch."""
     on_phase("data")
     dtype = weight_dtype(settings)
-    latents, timesteps, context, extra = _inputs(unet, settings, batch, device, dtype)
+    latents, timesteps, context, extra = step_inputs(unet, settings, batch, device, dtype)
     on_phase("sample")
     with _autocast(settings, torch.device(device).type, False):
         out = _sample(unet(latents, timesteps, context, **extra))

@@ -165,6 +165,7 @@ class PeakResult:
     torch_peak_reserved_bytes: int | None = None
     device_start_used_bytes: int | None = None  # whole device before the block (NVML), RSS on CPU/MPS
     device_peak_used_bytes: int | None = None  # max polled during the block
+    source: str | None = None  # what was polled: "nvml" | "torch.cuda.mem_get_info" | "rss" | None
     notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -196,18 +197,19 @@ class measure_peak:  # noqa: N801  (used as a context manager, like torch.no_gra
         self._samples = 0
 
     def _poll_fn(self):
+        """(poll function or None, source name, note or None)."""
         if self.device.type == "cuda":
             handle = _nvml_index(self.device.index)
             if handle is not None:
                 import pynvml
-                return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used, None
+                return lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used, "nvml", None
             if torch.cuda.is_initialized():
                 return (lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info(self.device)),
-                        "NVML unavailable: whole-device usage from torch.cuda.mem_get_info")
-            return None, "NVML unavailable and CUDA not initialised: no whole-device polling"
+                        "torch.cuda.mem_get_info", "NVML unavailable: whole-device usage from torch.cuda.mem_get_info")
+            return None, None, "NVML unavailable and CUDA not initialised: no whole-device polling"
         import psutil
         proc = psutil.Process()
-        return (lambda: proc.memory_info().rss), None
+        return (lambda: proc.memory_info().rss), "rss", None
 
     def _run(self, poll):
         while not self._stop.is_set():
@@ -223,7 +225,7 @@ class measure_peak:  # noqa: N801  (used as a context manager, like torch.no_gra
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.result.torch_start_allocated_bytes = torch.cuda.memory_allocated(self.device)
-        poll, note = self._poll_fn()
+        poll, self.result.source, note = self._poll_fn()
         if note:
             self.result.notes.append(note)
         self._thread = None

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# `.gpu_deps/`: what the device machine's image lacks for bench/gpu_suite.py, to carry there (it cannot
+# download): the diffusers wheel (the version tested here; bench/gpu_suite.py unpacks it at start) and
+# bitsandbytes for the 8-bit AdamW rows (unpacked under site/, CUDA 13 libraries only), for Python 3.12, x86-64.
+# bench/gpu_suite.py puts both on its processes' path by itself when the folder exists (never in --dry-run).
+#   bash bench/gpu_suite_deps.sh      # ~16 MB; git-ignored
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+DIFFUSERS=$("$PY" -c "import diffusers; print(diffusers.__version__)")
+BNB=${SDSLIM_BNB:-0.50.2}
+PLATFORM=(--only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64 --platform any)
+rm -rf .gpu_deps
+"$PY" -m pip download --quiet --no-deps --dest .gpu_deps "${PLATFORM[@]}" "diffusers==$DIFFUSERS"
+"$PY" -m pip install --quiet --no-deps --target .gpu_deps/site "${PLATFORM[@]}" "bitsandbytes==$BNB"
+# one library per CUDA release (20-26 MB each): keep the CPU one and CUDA 13 (the image's torch is cu130)
+find .gpu_deps/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete
+rm -rf .gpu_deps/site/bin
+echo "wrote .gpu_deps: diffusers $DIFFUSERS (wheel), bitsandbytes $BNB, $(du -sh .gpu_deps | cut -f1)" \
+     "(a device call carries at most 64 MiB, working tree included)"

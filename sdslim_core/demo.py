@@ -1,8 +1,10 @@
 """`sdslim demo`: the whole mission on the shipped tiny SD1.5-structure model, in a few minutes on a CPU.
 
-Loads the teacher, prints its breakdown, trains adapters (fast settings), merges the shipped LoRA, folds,
-runs the shipped ControlNet through the slim UNet, samples the same seeds/prompts with teacher and slim, and
-writes a comparison grid, a JSON + Markdown summary and the adapter file.
+Loads the teacher, trains adapters (ranks allocated where measured error falls fastest, at the parameter count of
+uniform ``--ratio``), merges the shipped LoRA, folds, runs the shipped ControlNet through the slim UNet, samples the
+same seeds/prompts with teacher and slim, measures the fidelity ladder's columns for the slim model and for what
+users pick instead (fp8 storage, GGUF Q4_0, slim + fp8; :mod:`sdslim_core.fidelity`), and writes a comparison grid,
+a JSON + Markdown summary and the adapter file.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import torch
 PROMPTS_SEED = 20261130          # a data stream the teacher never saw (it trained on seed 0)
 FAST = dict(stage1_steps=30, stage2_steps=20, n_trajectories=4, sample_steps=8, ff_tokens=4096, res_maps=24,
             rank_grid=(0.25, 0.5, 0.75))
-FULL = dict(stage1_steps=400, stage2_steps=1500, n_trajectories=24, sample_steps=16, ff_tokens=16384, res_maps=96,
-            rank_grid=(0.25, 0.5, 0.75))
+FULL = dict(stage1_steps=300, stage2_steps=800, n_trajectories=24, sample_steps=16, ff_tokens=16384, res_maps=96,
+            rank_grid=(0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875))
+ALTERNATIVES = ("fp8", "q4_0", "slim+fp8")
 
 
 def _log(msg: str):
@@ -38,12 +41,6 @@ def _latency_ratio(teacher, slim, x, t, ctx, repeats: int) -> dict:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"teacher_ms": med["teacher"] * 1e3, "slim_ms": med["slim"] * 1e3, "speedup": med["teacher"] / med["slim"]}
-
-
-def _eps(model, x, t, ctx, control=None):
-    with torch.no_grad():
-        res = control(x, t, ctx) if control else {}
-        return model(x, t, encoder_hidden_states=ctx, **res).sample
 
 
 def _iou(images, masks, bg_colour_idx) -> float:
@@ -80,35 +77,37 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
 
     ``train_overrides`` replaces :class:`TrainConfig` fields of the FAST/FULL presets (the test suite uses it).
     """
-    from . import adapters, breakdown, fold, layout, lora, swap, tiny, tiny_data
-    from .fidelity import cosine, psnr, rel_error, ssim
-    from .sampling import diffusers_fn
-    from .train import Calibration, TrainConfig, train_adapters
-    from .unet import load_diffusers_unet
-    from .vram.live import memory_report
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # the 3M-parameter model is overhead-bound: more threads only contend
+    try:
+        return _run_demo(out, ratio, fast, n_images, sample_steps, seed, train_overrides)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overrides) -> dict:
+    from . import breakdown, fidelity, fold, lora, quant, swap, tiny, tiny_data
+    from .sampling import diffusers_fn
+    from .train import Calibration, TrainConfig, train_adapters
+    from .vram.live import memory_report
     started = time.perf_counter()
     timings = {}
 
     def lap(name, t0):
         timings[name] = round(time.perf_counter() - t0, 1)
 
-    # 1. the teacher and its breakdown ---------------------------------------------------------------------------
+    # 1. the teacher ----------------------------------------------------------------------------------------------
     t0 = time.perf_counter()
     pipe = tiny.load_tiny_pipeline()
     cfg = pipe.checkpoint.config
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     shapes = {k: tuple(v.shape) for k, v in weights.items()}
-    ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
-    original_rows = breakdown.count(shapes)
-    slim_rows = breakdown.count(fold.slim_shapes(shapes, ranks))
-    _log(breakdown.format_table(original_rows, slim_rows, f"tiny teacher ({cfg.family} structure), ratio {ratio}"))
     lap("load", t0)
 
     # 2. train adapters from the teacher itself -------------------------------------------------------------------
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     batch = tiny_data.make_batch(PROMPTS_SEED, 0, n_images)
     calib_prompts = [tiny_data.make_batch(seed + 1, i, 1).captions[0] for i in range(16)]
     settings = {**(FAST if fast else FULL), **(train_overrides or {})}
@@ -118,61 +117,78 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
     result = train_adapters(pipe.unet, cfg, Calibration.from_prompts(calib_prompts, pipe.encode_prompt), tc,
                             adapter_path)
     aset = result.adapters
+    timings["train_cpu"] = round(time.process_time() - cpu0, 1)
     lap("train", t0)
+    original_rows = breakdown.count(shapes)
+    slim_rows = breakdown.count(fold.slim_shapes(shapes, aset.ranks()))
+    _log(breakdown.format_table(original_rows, slim_rows, f"tiny teacher ({cfg.family} structure), the parameters "
+                                                          f"of uniform ratio {ratio}, allocated"))
 
     # 3. LoRA merge, fold, ControlNet -----------------------------------------------------------------------------
     t0 = time.perf_counter()
-    folded = fold.fold_state_dict(weights, aset)
-    slim = swap.build_slim_module(pipe.unet, aset, folded).eval()
     merged, lora_report = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], cfg, fold_sites=aset)
-    with_lora = {**weights, **merged}
-    teacher_lora = load_diffusers_unet(with_lora, cfg).eval()
-    slim_lora = swap.build_slim_module(teacher_lora, aset, fold.fold_state_dict(with_lora, aset)).eval()
-    controlnet = tiny.load_tiny_controlnet()
-    control = tiny.controlnet_hook(controlnet, batch.masks)
+    cands = fidelity.Candidates(pipe.unet, cfg, weights, merged)
+    slim = swap.build_slim_module(pipe.unet, aset, fold.fold_state_dict(weights, aset)).eval()
+    teacher_lora = cands.unet({**weights, **merged})
+    slim_lora = swap.build_slim_module(teacher_lora, aset, fold.fold_state_dict({**weights, **merged}, aset)).eval()
+    control = tiny.controlnet_hook(tiny.load_tiny_controlnet(), batch.masks)
     lap("merge_fold", t0)
 
-    # 4. same seeds, same prompts -----------------------------------------------------------------------------------
+    # 4. same seeds, same prompts: the fidelity engine --------------------------------------------------------------
     t0 = time.perf_counter()
+    probe = fidelity.Probe(fn_of=diffusers_fn, context=pipe.encode_prompt(batch.captions),
+                           uncond=pipe.encode_prompt([""] * n_images), noise=pipe.noise(n_images, seed + 7),
+                           schedule=pipe.schedule, steps=sample_steps, guidance=4.0, decode=pipe.decode,
+                           control=control)
+    ref = fidelity.reference(probe, pipe.unet, teacher_lora)
+    fid = fidelity.compare(probe, ref, slim, slim_lora)
+    flop_args = ref.inputs[0]
+    teacher_flops = fidelity.forward_flops(diffusers_fn(pipe.unet), *flop_args)
+    n_teacher = sum(p.numel() for p in pipe.unet.parameters())
+    alternatives = []
+    for what in ALTERNATIVES:
+        model, model_lora, w = cands.slim(aset, "fp8") if what == "slim+fp8" else cands.quantised(what)
+        r = fidelity.compare(probe, ref, model, model_lora)
+        alternatives.append({"row": what, "weight_bytes": quant.storage_bytes(w, "fp8" if what == "slim+fp8" else what),
+                             "flops_ratio": fidelity.forward_flops(diffusers_fn(model), *flop_args) / teacher_flops,
+                             **{k: r.get(k) for k in ("image_psnr_db", "image_ssim", "eps_rel_error",
+                                                      "lora_effect_cosine", "controlnet_effect_cosine")}})
 
     def gen(model, ctrl=None):
         return pipe.generate(batch.captions, seed=seed + 7, steps=sample_steps, fn=diffusers_fn(model), control=ctrl)
-    images = {"teacher": gen(pipe.unet), "slim": gen(slim), "teacher+LoRA": gen(teacher_lora),
+    images = {"teacher": ref.images, "slim": fid["images"], "teacher+LoRA": gen(teacher_lora),
               "slim+LoRA": gen(slim_lora), "teacher+ControlNet": gen(pipe.unet, control),
               "slim+ControlNet": gen(slim, control)}
     lap("sampling", t0)
 
-    # 5. metrics ----------------------------------------------------------------------------------------------------
-    g = torch.Generator().manual_seed(seed + 11)
-    x = torch.randn(n_images, cfg.in_channels, pipe.latent_size, pipe.latent_size, generator=g)
-    t = torch.linspace(50, 950, n_images).long()
-    ctx = pipe.encode_prompt(batch.captions)
-    e = {"t": _eps(pipe.unet, x, t, ctx), "s": _eps(slim, x, t, ctx), "tl": _eps(teacher_lora, x, t, ctx),
-         "sl": _eps(slim_lora, x, t, ctx), "tc": _eps(pipe.unet, x, t, ctx, control), "sc": _eps(slim, x, t, ctx, control)}
+    # 5. summary ----------------------------------------------------------------------------------------------------
     bg = batch.bg
     green = tiny_data.colour_index("green")
     fg_green = {k: (tiny_data.nearest_colour(v) == green).float().mean().item() for k, v in images.items()}
-    n_teacher = sum(p.numel() for p in pipe.unet.parameters())
     n_slim = sum(p.numel() for p in slim.parameters())
     mem = memory_report()
     summary = {
         "model": {"family": cfg.family, "structure": "SD1.5 blocks, scaled down", "ratio": ratio,
                   "params_original": n_teacher, "params_slim": n_slim, "params_ratio": n_slim / n_teacher,
                   "weight_bytes_fp16_original": 2 * n_teacher, "weight_bytes_fp16_slim": 2 * n_slim,
-                  "breakdown_original": original_rows, "breakdown_slim": slim_rows},
-        "fidelity": {"eps_rel_error": rel_error(e["s"], e["t"]),
-                     "image_psnr_db": psnr(images["slim"], images["teacher"]),
-                     "image_ssim": ssim(images["slim"], images["teacher"])},
-        "lora": {"effect_cosine_eps": cosine(e["sl"] - e["s"], e["tl"] - e["t"]),
+                  "flops_ratio": fidelity.forward_flops(diffusers_fn(slim), *flop_args) / teacher_flops,
+                  "ranks": aset.ranks(), "breakdown_original": original_rows, "breakdown_slim": slim_rows},
+        "fidelity": {"eps_rel_error": fid["eps_rel_error"], "guided_eps_rel_error": fid["guided_eps_rel_error"],
+                     "latent_psnr_db": fid["latent_psnr_db"], "image_psnr_db": fid["image_psnr_db"],
+                     "image_ssim": fid["image_ssim"]},
+        "lora": {"effect_cosine_eps": fid["lora_effect_cosine"],
                  "green_fraction": {k: round(fg_green[k], 4) for k in ("teacher", "teacher+LoRA", "slim",
                                                                       "slim+LoRA")},
-                 "image_psnr_db_slim_vs_teacher": psnr(images["slim+LoRA"], images["teacher+LoRA"]),
+                 "image_psnr_db_slim_vs_teacher": fidelity.psnr(images["slim+LoRA"], images["teacher+LoRA"], 1.0),
                  "merge_report": lora_report.to_dict()},
-        "controlnet": {"effect_cosine_eps": cosine(e["sc"] - e["s"], e["tc"] - e["t"]),
+        "controlnet": {"effect_cosine_eps": fid["controlnet_effect_cosine"],
                        "mask_iou": {k: round(_iou(images[k], batch.masks, bg), 4)
                                     for k in ("teacher", "teacher+ControlNet", "slim", "slim+ControlNet")},
-                       "image_psnr_db_slim_vs_teacher": psnr(images["slim+ControlNet"], images["teacher+ControlNet"])},
-        "latency": _latency_ratio(pipe.unet, slim, x[:2], t[:2], ctx[:2], repeats=3 if fast else 7),
+                       "image_psnr_db_slim_vs_teacher": fidelity.psnr(images["slim+ControlNet"],
+                                                                      images["teacher+ControlNet"], 1.0)},
+        "alternatives": alternatives,
+        "latency": _latency_ratio(pipe.unet, slim, *flop_args,
+                                  repeats=3 if fast else 7),
         "training": result.report.to_dict(),
         "memory": mem.to_dict(),
         "memory_text": mem.format_text(),
@@ -182,7 +198,7 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
     _grid({k: images[k] for k in ("teacher", "slim", "slim+LoRA", "slim+ControlNet")}, batch.captions,
           out / "grid.png")
     timings["total"] = round(time.perf_counter() - started, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "summary.json").write_text(json.dumps(fidelity.jsonable(summary), indent=2, default=str))
     (out / "summary.md").write_text(summary_markdown(summary))
     _log(summary_markdown(summary))
     _log(f"wrote {out / 'grid.png'}, {out / 'summary.json'}, {out / 'summary.md'}, {adapter_path}")
@@ -193,15 +209,18 @@ def summary_markdown(s: dict) -> str:
     m, f, lo, c, lat = s["model"], s["fidelity"], s["lora"], s["controlnet"], s["latency"]
     lines = [
         "# sdslim demo summary", "",
-        f"Tiny {m['structure']} teacher, slim ratio {m['ratio']}.", "",
+        f"Tiny {m['structure']} teacher; slim at the parameter count of uniform ratio {m['ratio']}, ranks allocated "
+        f"per site by measured error.", "",
         "| quantity | original | slim | ratio |", "|---|---|---|---|",
         f"| UNet params | {m['params_original']:,} | {m['params_slim']:,} | {m['params_ratio']:.3f} |",
         f"| fp16 weight bytes | {m['weight_bytes_fp16_original']:,} | {m['weight_bytes_fp16_slim']:,} | "
         f"{m['params_ratio']:.3f} |",
-        f"| UNet forward (CPU, batch 2) | {lat['teacher_ms']:.1f} ms | {lat['slim_ms']:.1f} ms | "
+        f"| UNet forward FLOPs | | | ×{m['flops_ratio']:.3f} |",
+        f"| UNet forward (CPU, CFG batch) | {lat['teacher_ms']:.1f} ms | {lat['slim_ms']:.1f} ms | "
         f"×{lat['speedup']:.2f} faster |", "",
         "| fidelity (same seeds, same prompts) | value |", "|---|---|",
         f"| eps relative error, slim vs teacher | {f['eps_rel_error']:.4f} |",
+        f"| CFG-guided eps relative error | {f['guided_eps_rel_error']:.4f} |",
         f"| image PSNR slim vs teacher | {f['image_psnr_db']:.2f} dB |",
         f"| image SSIM slim vs teacher | {f['image_ssim']:.4f} |",
         f"| LoRA-effect cosine (eps) | {lo['effect_cosine_eps']:.4f} |",
@@ -213,6 +232,13 @@ def summary_markdown(s: dict) -> str:
         f"| mask IoU teacher → teacher+ControlNet | {c['mask_iou']['teacher']:.3f} → "
         f"{c['mask_iou']['teacher+ControlNet']:.3f} |",
         f"| mask IoU slim → slim+ControlNet | {c['mask_iou']['slim']:.3f} → {c['mask_iou']['slim+ControlNet']:.3f} |",
+        "", "What users pick instead, same teacher, seeds and prompts:", "",
+        "| row | weight bytes | FLOPs × | image PSNR dB | SSIM | LoRA cos | ControlNet cos |", "|---|---|---|---|---|---|---|",
+        f"| slim (this run) | {m['weight_bytes_fp16_slim']:,} | {m['flops_ratio']:.3f} | {f['image_psnr_db']:.2f} | "
+        f"{f['image_ssim']:.4f} | {lo['effect_cosine_eps']:.4f} | {c['effect_cosine_eps']:.4f} |",
+        *[f"| {a['row']} | {a['weight_bytes']:,} | {a['flops_ratio']:.3f} | {a['image_psnr_db']:.2f} | "
+          f"{a['image_ssim']:.4f} | {a['lora_effect_cosine']:.4f} | {a['controlnet_effect_cosine']:.4f} |"
+          for a in s["alternatives"]],
         "", "Memory (this machine, after the run):", "```", s["memory_text"], "```",
         f"Timings (s): {s['timings_s']}",
     ]

@@ -87,3 +87,25 @@ def test_cli_json_is_one_strict_object(weights, tmp_path, capsys):
         raise AssertionError(f"non-strict JSON constant {name}")
     r = json.loads(out, parse_constant=refuse)
     assert r["latent_psnr_db"]["mean"] == "inf" and r["eps_rel_error"]["mean"] == 0
+
+
+def test_ladder_puts_the_alternatives_beside_the_slim_model(weights, tmp_path):
+    """The eval's ladder: identity slim is exact and full size; the alternatives are measured on the same seeds,
+    each at its own storage size (Q4_0 < slim+fp8 ≤ fp8 < fp16 here) and Q8_0 closer to the teacher than Q4_0."""
+    lora = kohya_lora(weights, tmp_path / "lora.safetensors")
+    r = evaluate.evaluate(DEFAULT_PATH, identity(weights), [(lora, 1.0)], seeds=2, steps=6, png=None,
+                          compare=evaluate.COMPARE)
+    rows = {row["row"]: row for row in r["ladder"]}
+    assert list(rows) == ["slim", *evaluate.COMPARE]
+    slim = rows["slim"]
+    assert slim["params_ratio"] == 1 and slim["flops_ratio"] == 1 and slim["latent_psnr_db"] == math.inf
+    assert slim["lora_effect_cosine"] == pytest.approx(1, abs=1e-9)
+    assert slim["controlnet_effect_cosine"] == pytest.approx(1, abs=1e-9)
+    b = {k: v["weight_bytes"] for k, v in rows.items()}
+    assert b["q4_0"] < b["slim+fp8"] <= b["fp8"] < b["slim"] == 2 * sum(v.numel() for v in weights.values())
+    assert rows["q8_0"]["eps_rel_error"] < rows["q4_0"]["eps_rel_error"] and rows["q4_0"]["eps_rel_error"] > 0
+    assert all(-1 <= rows[k]["controlnet_effect_cosine"] <= 1 for k in rows)
+    text = evaluate.format_result(r)
+    assert "| q4_0 |" in text and "synthetic ControlNet-like residuals" in text
+    with pytest.raises(ValueError, match="--compare"):
+        evaluate.evaluate(DEFAULT_PATH, identity(weights), seeds=1, steps=2, compare=["q2_k"])

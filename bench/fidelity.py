@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from sdslim_core import adapters, breakdown, fold, fidelity, layout, lora, quant, tiny, tiny_data  # noqa: E402
+from sdslim_core import adapters, fidelity, layout, lora, quant, tiny, tiny_data  # noqa: E402
 from sdslim_core.demo import FULL, PROMPTS_SEED  # noqa: E402
 from sdslim_core.sampling import diffusers_fn  # noqa: E402
 from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402
@@ -138,7 +138,58 @@ def ablation(t: Teacher, ratio: float, work: Path) -> dict:
                      "+ OBS selection": err(st.obs(r), groups)}
         for k, v in steps.items():
             out.setdefault(s.kind, {}).setdefault(k, []).append(v)
-    return {kind: {k: sum(v) / len(v) for k, v in d.items()} for kind, d in out.items()}
+    return {kind: {k: sum(v) / len(v) for k, v in d.items()} for kind, d in out.items()}, run
+
+
+def sequential_refit(run, aset: adapters.AdapterSet, passes: int = 2, n_inputs: int = 256) -> list:
+    """Sequential calibration, measured: refit every site's U (and FF intercept) by least squares from the
+    bottleneck activations the *slimmed* UNet produces (its upstream sites already slim) to the teacher's hidden
+    activations on the same inputs; returns the whole-UNet held-out error before and after each pass."""
+    from sdslim_core import swap
+    from sdslim_core.train import stage2
+    from sdslim_core.train.calibration import unet_call
+    fit = run.bank.fit_ids()[:n_inputs]
+
+    def capture(model, hooks_on):
+        got = {s: [] for s in hooks_on}
+        handles = [mod.register_forward_hook(lambda m, i, o, s=s, f=f: got[s].append(f(i[0])))
+                   for s, (mod, f) in hooks_on.items()]
+        with torch.no_grad():
+            for i in range(0, fit.numel(), 16):
+                unet_call(model, run.bank.batch(fit[i:i + 16]))
+        for h in handles:
+            h.remove()
+        return {s: torch.cat(v) for s, v in got.items()}
+    errors = [stage2.measure(run, aset, run.bank)]
+    for _ in range(passes):
+        tree, _ = swap.attach_train_adapters(run.teacher, aset)
+        hooks_t, hooks_s = {}, {}
+        for site in aset.sites:
+            kind = aset.kind(site)
+            key = "out" if kind == "ff" else "conv2"
+            flat = (lambda x: x.reshape(-1, x.shape[-1]).double()) if kind == "ff" else \
+                (lambda x: x.transpose(0, 1).flatten(1).T.double())
+            hooks_t[site] = (run.teacher.get_submodule(swap.layer_paths(run.teacher, site, kind, run.cfg)[key]), flat)
+            hooks_s[site] = (tree.get_submodule(swap.layer_paths(tree, site, kind, run.cfg)[key]), flat)
+        target, inputs = capture(run.teacher, hooks_t), capture(tree, hooks_s)
+        sites = {}
+        for site, t in aset.sites.items():
+            t, y, z = dict(t), target[site], inputs[site]
+            ff = aset.kind(site) == "ff"
+            mz, my = (z.mean(0), y.mean(0)) if ff else (0, 0)
+            zc, yc = z - mz, y - my
+            n, r = zc.shape
+            gram = zc.T @ zc
+            lam = float(gram.diagonal().mean()) * (1e-6 + r / n)
+            up = torch.linalg.solve((gram + lam * torch.eye(r, dtype=gram.dtype)).T,
+                                    (yc.T @ zc + lam * t["up"].double()).T).T
+            t["up"] = up.float()
+            if ff:
+                t["up_bias"] = (my - up @ mz).float()
+            sites[site] = t
+        aset = adapters.AdapterSet(aset.family, sites, aset.norm_groups)
+        errors.append(stage2.measure(run, aset, run.bank))
+    return errors
 
 
 def fmt_row(r: dict) -> str:
@@ -176,6 +227,7 @@ def main():
     results = {}
     for name in args.teachers.split(","):
         t = Teacher(name)
+        best_half = None
         rows = [t.row("teacher (fp16)", t.pipe.unet, t.candidates.unet({**t.weights, **t.candidates.lora_delta}),
                       t.weights, None, None)]
         for method in quant.METHODS:
@@ -203,6 +255,8 @@ def main():
                     print(fmt_row(r), flush=True)
                     if not uniform:
                         best = (aset, cpu, budget)
+                        if budget == "init" and target == half:
+                            best_half = aset
             if best is not None:
                 m, ml, w = t.candidates.slim(best[0], "fp8")
                 r = t.row(f"slim {tag}, allocated, {best[2]} + fp8 storage", m, ml, w, "fp8", best[1])
@@ -210,9 +264,15 @@ def main():
                 print(fmt_row(r), flush=True)
         results[name] = {"rows": rows, "sd15_half": half}
         if args.ablation:
-            results[name]["ablation"] = ablation(t, 0.5, out / "work" / f"{name}-ablation")
-            print(f"\nheld-out site error at uniform width 0.5 ({name}): "
-                  + json.dumps(results[name]["ablation"], indent=1), flush=True)
+            sites, run = ablation(t, 0.5, out / "work" / f"{name}-ablation")
+            results[name]["ablation"] = {"site_error_uniform_0.5": sites}
+            print(f"\nheld-out site error at uniform width 0.5 ({name}): " + json.dumps(sites, indent=1), flush=True)
+            if best_half is not None:
+                seq = sequential_refit(run, best_half)
+                results[name]["ablation"]["sequential_refit_e2e"] = seq
+                print(f"sequential calibration (refit U from slimmed-upstream inputs), whole-UNet held-out error "
+                      f"of the allocated init at SD1.5-half params: {' -> '.join(f'{e:.4f}' for e in seq)}",
+                      flush=True)
         (out / "results.json").write_text(json.dumps(fidelity.jsonable(results), indent=1, default=str))
     print(f"\nwrote {out / 'results.json'}")
 

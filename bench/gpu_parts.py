@@ -227,14 +227,15 @@ def vram_estimate(ctx: Context) -> dict:
 
 def train_config(family: str, dry: bool, work: Path, log):
     """Small data, the trainer's own CUDA defaults (fp16 teacher, bf16 autocast, 8-bit AdamW when bitsandbytes
-    imports, gradient checkpointing) and the trainer's own VRAM prediction. SD1.5: every site at ratio 0.5; SDXL:
+    imports, gradient checkpointing) and the trainer's own VRAM prediction. SD1.5: every site at uniform ratio 0.5
+    (``uniform``: the default allocation's e2e curves cost ~10k UNet forwards, beyond this part's cap); SDXL:
     the ResBlock sites at 0.5, stage 2 in 3 site groups. The dry run predicts for SDXL only (the grouped path):
     each prediction is one more estimator process, ~7 s of CPU."""
     size = dict(n_trajectories=4, sample_steps=2, ff_inputs=16, tokens_per_sample=32, ff_tokens=512, res_maps=16,
                 latent_size=8, stage1_steps=2, stage2_steps=6) if dry else \
         dict(n_trajectories=6, sample_steps=3, ff_inputs=32, tokens_per_sample=64, ff_tokens=2048, res_maps=16,
              stage1_steps=3, stage2_steps=30)
-    ranks = dict(ratio=0.5) if family == "sd15" else dict(res_ratio=0.5, stage2_groups=3)
+    ranks = dict(ratio=0.5, uniform=True) if family == "sd15" else dict(res_ratio=0.5, stage2_groups=3)
     return TrainConfig(**size, **ranks, guidance=7.5, checkpoint_every=1000, vram_estimate=not dry or family == "sdxl",
                        device="cpu" if dry else "cuda", work_dir=str(work / f"train-{family}"), log=log, seed=0)
 

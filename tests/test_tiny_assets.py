@@ -1,4 +1,5 @@
-"""The shipped tiny teacher, LoRA and ControlNet: integrity, layout, and that each does what it was trained for."""
+"""The shipped teachers (tiny, wide), their LoRAs and ControlNets: integrity, layout, and that each does what it was
+trained for."""
 import hashlib
 import json
 
@@ -10,6 +11,12 @@ from sdslim_core.safetensors_io import read_header
 
 MANIFEST = tiny.ASSETS / "manifest.json"
 NAMES = list(tiny_data.COLOURS)
+
+
+@pytest.fixture(scope="module", params=sorted(tiny.TEACHERS))
+def teacher(request):
+    assets = tiny.TEACHERS[request.param]
+    return assets, tiny.load_tiny_pipeline(assets.model)
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +40,26 @@ def ring(n: int) -> torch.Tensor:
 
 def test_files_match_manifest():
     manifest = json.loads(MANIFEST.read_text())
-    assert {"tiny_sd15.safetensors", tiny.LORA_PATH.name, tiny.CONTROLNET_PATH.name} <= set(manifest)
+    for assets in tiny.TEACHERS.values():
+        assert {assets.model.name, assets.lora.name, assets.controlnet.name} <= set(manifest)
     for name, entry in manifest.items():
         data = (tiny.ASSETS / name).read_bytes()
         assert len(data) == entry["bytes"], name
         assert hashlib.sha256(data).hexdigest() == entry["sha256"], f"{name} differs from manifest.json"
-        assert len(data) <= 15e6
+        assert len(data) <= 25e6                        # the wide teacher's 10M-parameter UNet is the largest
+
+
+def test_wide_teacher_is_sd15_structure_at_width_64_sharing_the_tiny_vae_and_text_encoder():
+    from sdslim_core.safetensors_io import load_file
+    wide, _ = load_file(tiny.TEACHERS["wide"].model)
+    small, _ = load_file(tiny.DEFAULT_PATH)
+    unet = {k[len("model.diffusion_model."):]: tuple(v.shape) for k, v in wide.items() if k.startswith("model.")}
+    cfg = layout.config_from_state_dict(unet)
+    assert (cfg.family, cfg.model_channels, tuple(cfg.channel_mult), cfg.num_res_blocks) == ("sd15", 64, (1, 2, 2), 2)
+    assert layout.config_from_state_dict({k[len("model.diffusion_model."):]: tuple(v.shape) for k, v in small.items()
+                                          if k.startswith("model.")}).model_channels == 32
+    shared = [k for k in small if not k.startswith("model.")]
+    assert shared and all(torch.equal(wide[k], small[k]) for k in shared)
 
 
 def test_teacher_is_an_sd15_structured_single_file_checkpoint():
@@ -103,8 +124,8 @@ def test_dataset_is_deterministic_and_captions_match_pixels():
 
 @pytest.mark.parametrize("prompt,fg,bg", [("a red circle on a blue background", "red", "blue"),
                                           ("a green square on a yellow background", "green", "yellow")])
-def test_teacher_samples_follow_the_caption(pipe, prompt, fg, bg):
-    images = pipe.generate([prompt] * 4, seed=5, steps=12)
+def test_teacher_samples_follow_the_caption(teacher, prompt, fg, bg):
+    images = teacher[1].generate([prompt] * 4, seed=5, steps=12)
     border = fractions(images, ring(4))
     whole = fractions(images, torch.ones(4, tiny_data.SIZE, tiny_data.SIZE, dtype=torch.bool))
     i_fg, i_bg = NAMES.index(fg), NAMES.index(bg)
@@ -114,10 +135,11 @@ def test_teacher_samples_follow_the_caption(pipe, prompt, fg, bg):
     assert (whole[:, others].max(1).values < whole[:, i_fg]).all(), f"another colour dominates the shape: {whole}"
 
 
-def test_lora_turns_the_shape_green(pipe):
+def test_lora_turns_the_shape_green(teacher):
+    assets, pipe = teacher
     prompts = ["a red circle on a blue background"] * 4
     before = pipe.generate(prompts, seed=2, steps=12)
-    lora_unet = pipe.unet_with_loras([(tiny.LORA_PATH, 1.0)])
+    lora_unet = pipe.unet_with_loras([(assets.lora, 1.0)])
     after = pipe.generate(prompts, seed=2, steps=12, fn=sampling.diffusers_fn(lora_unet))
     everywhere = torch.ones(4, tiny_data.SIZE, tiny_data.SIZE, dtype=torch.bool)
     f_before, f_after = fractions(before, everywhere), fractions(after, everywhere)
@@ -127,8 +149,9 @@ def test_lora_turns_the_shape_green(pipe):
     assert (fractions(after, ring(4))[:, blue] > 0.9).all()  # the background is left alone
 
 
-def test_controlnet_moves_the_shape_to_the_mask(pipe):
-    controlnet = tiny.load_tiny_controlnet()
+def test_controlnet_moves_the_shape_to_the_mask(teacher):
+    assets, pipe = teacher
+    controlnet = tiny.load_tiny_controlnet(assets.controlnet)
     batch = tiny_data.make_batch(seed=321, index=0, batch_size=4)
 
     def iou(images):

@@ -13,7 +13,7 @@ from sdslim_core.train import CheckpointError, Calibration, TrainConfig, train_a
 from sdslim_core.unet import build_diffusers_unet
 
 # many short trajectories: the held-out split is by trajectory, and stage 1 generalises only with diverse data
-FAST = dict(ratio=0.5, n_trajectories=40, sample_steps=2, guidance=3.0, latent_size=16, ff_inputs=160, res_maps=128,
+FAST = dict(ratio=0.5, uniform=True, n_trajectories=40, sample_steps=2, guidance=3.0, latent_size=16, ff_inputs=160, res_maps=128,
             stage1_steps=16, stage2_steps=8, lr1=1e-3, lr2=3e-4, checkpoint_every=3, seed=0)
 
 

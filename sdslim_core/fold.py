@@ -4,10 +4,13 @@ FF site (GEGLU proj W_p = [W_v; W_g] ∈ R^{2m×d}, out W_o ∈ R^{d×m}; adapte
     W'_p = [A_v W_v; A_g W_g], b'_p = [A_v b_v; A_g b_g], W'_o = W_o U, b'_o = b_o
 Res site (conv1 W_1, emb W_e, conv2 W_2; adapter D ∈ R^{r×c}, GroupNorm' over r, U ∈ R^{c×r}):
     W'_1 = D×W_1, b'_1 = D b_1, W'_e = D W_e, b'_e = D b_e, norm2 := GroupNorm', W'_2 = W_2×U, b'_2 = b_2
-Folding is linear in W, so merging a LoRA into W first and folding afterwards is exact.
+Each layer's fold is one of three linear maps (:func:`map_rows`, :func:`map_geglu_rows`, :func:`map_cols`), so
+fold(W + ΔW) = fold(W) + map(ΔW): merging a LoRA first and folding afterwards is exact, and the same maps take a
+LoRA's factors into slim space (:mod:`sdslim_core.lora_slim`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -17,41 +20,84 @@ from .layout import FF_LAYERS, RES_LAYERS
 _LDM = RES_LAYERS["ldm"]
 
 
-def _compute_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+def compute_dtype(*tensors) -> torch.dtype:
+    """float64 if any tensor is float64, else float32 (fp16/bf16/fp8 weights are folded in float32)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
+
+# ------------------------------------------------------------------------------------- the three linear maps
+
+def map_rows(x: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """D·X on the first axis: [c, …] → [r, …] (conv1/emb weights and biases, a LoRA's up factor there)."""
+    return torch.mm(down, x.reshape(x.shape[0], -1)).reshape((down.shape[0],) + tuple(x.shape[1:]))
+
+
+def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.Tensor) -> torch.Tensor:
+    """blockdiag(A_v, A_g)·X: [2m, …] → [2r, …], value rows first (GEGLU proj weight and bias, a LoRA's up factor
+    there); both halves are written straight into one output buffer."""
+    r, m = down_value.shape
+    flat = x.reshape(x.shape[0], -1)
+    out = torch.empty((2 * r, flat.shape[1]), dtype=flat.dtype, device=flat.device)
+    torch.mm(down_value, flat[:m], out=out[:r])
+    torch.mm(down_gate, flat[m:], out=out[r:])
+    return out.reshape((2 * r,) + tuple(x.shape[1:]))
+
+
+def map_cols(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """X×U on the second axis: [o, c, …] → [o, r, …] (net.2 and conv2 weights, a LoRA's down factor there).
+
+    Kernels are contracted as one matrix product over (o, kernel position) rows rather than an einsum."""
+    o, c = x.shape[:2]
+    if x.ndim == 2:
+        return torch.mm(x, up)
+    k = math.prod(x.shape[2:])
+    rows = x.reshape(o, c, k).transpose(1, 2).reshape(o * k, c)        # one copy: [(o, kernel), c]
+    out = torch.mm(rows, up).reshape(o, k, -1).transpose(1, 2).contiguous()   # contiguous: conv2d's fast path
+    return out.reshape((o, up.shape[1]) + tuple(x.shape[2:]))
+
+
+def map_layer(role: str, x: torch.Tensor, adapter: Mapping[str, torch.Tensor], bias: bool = False) -> torch.Tensor:
+    """The fold of one layer of a site applied to ``x`` (its weight, bias or any delta of them).
+
+    ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors, in
+    ``x``'s dtype. The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
+    """
+    if role == "proj":
+        return map_geglu_rows(x, adapter["down_value"], adapter["down_gate"])
+    if role in ("conv1", "emb"):
+        return map_rows(x, adapter["down"])
+    if role in ("out", "conv2"):
+        return x if bias else map_cols(x, adapter["up"])
+    raise ValueError(f"layer role {role!r} has no fold map")
+
+
+def layer_roles(site: str, kind: str) -> dict[str, str]:
+    """Canonical module path → role for the layers a site's fold changes (norm2 included, as ``norm2``)."""
+    if kind == "ff":
+        return {f"{site}.{FF_LAYERS['proj']}": "proj", f"{site}.{FF_LAYERS['out']}": "out"}
+    return {f"{site}.{_LDM[role]}": role for role in ("conv1", "emb", "norm2", "conv2")}
+
+
+# ---------------------------------------------------------------------------------------------- the fold
 
 def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up):
     """Return (W'_p, b'_p, W'_o, b'_o) in the dtype of ``w_p``, computed in at least float32."""
-    dt = _compute_dtype(w_p, down_value)
-    m = w_o.shape[1]
-    w_v, w_g = w_p.to(dt)[:m], w_p.to(dt)[m:]
-    a_v, a_g = down_value.to(dt), down_gate.to(dt)
-    new_wp = torch.cat([a_v @ w_v, a_g @ w_g])
-    new_bp = None if b_p is None else torch.cat([a_v @ b_p.to(dt)[:m], a_g @ b_p.to(dt)[m:]])
-    new_wo = w_o.to(dt) @ up.to(dt)
-    out = w_p.dtype
-    return (new_wp.to(out), None if new_bp is None else new_bp.to(out), new_wo.to(out),
-            None if b_o is None else b_o.clone())
+    dt, out = compute_dtype(w_p, down_value), w_p.dtype
+    t = {"down_value": down_value.to(dt), "down_gate": down_gate.to(dt), "up": up.to(dt)}
+    new_wp = map_layer("proj", w_p.to(dt), t).to(out)
+    new_bp = None if b_p is None else map_layer("proj", b_p.to(dt), t, bias=True).to(out)
+    new_wo = map_layer("out", w_o.to(dt), t).to(out)
+    return new_wp, new_bp, new_wo, None if b_o is None else b_o.clone()
 
 
 def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
     """Return (W'_1, b'_1, W'_e, b'_e, W'_2, b'_2); ``w_e`` may be None (no time embedding)."""
-    dt = _compute_dtype(w_1, down)
-    d, u = down.to(dt), up.to(dt)
-    new_w1 = torch.einsum("rc,cikl->rikl", d, w_1.to(dt))
-    new_b1 = None if b_1 is None else d @ b_1.to(dt)
-    new_we = None if w_e is None else d @ w_e.to(dt)
-    new_be = None if b_e is None else d @ b_e.to(dt)
-    new_w2 = torch.einsum("ocij,cr->orij", w_2.to(dt), u)
-    out = w_1.dtype
-
-    def cast(t):   # contiguous: einsum may return permuted strides, which send conv2d down another kernel path
-        return None if t is None else t.to(out).contiguous()
-    return (cast(new_w1), cast(new_b1), cast(new_we), cast(new_be), cast(new_w2),
-            None if b_2 is None else b_2.clone())
-
-
+    dt, out = compute_dtype(w_1, down), w_1.dtype
+    t = {"down": down.to(dt), "up": up.to(dt)}
+    new = [None if x is None else map_layer(role, x.to(dt), t, bias=bias).to(out)
+           for role, x, bias in (("conv1", w_1, False), ("conv1", b_1, True), ("emb", w_e, False),
+                                 ("emb", b_e, True), ("conv2", w_2, False))]
+    return (*new, None if b_2 is None else b_2.clone())
 def fold_site(site: str, kind: str, get: Callable[[str], torch.Tensor | None], tensors: Mapping) -> dict:
     """Fold one site: ``get(canonical_key)`` returns the (LoRA-merged) weight or None; returns new canonical
     tensors for every key the site changes (norm2 included, taken from the adapter)."""

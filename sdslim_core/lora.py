@@ -193,6 +193,15 @@ def _open_source(src) -> tuple[Mapping, dict, str, dict | None]:
     return lazy, dict(lazy.metadata), str(path), peft_cfg
 
 
+def text_encoder_part(src) -> tuple[dict, dict]:
+    """(text-encoder keys → tensors, file metadata) of a LoRA (path, folder or state dict), keys as written."""
+    tensors, metadata, name, _ = _open_source(src)
+    try:
+        return {k: tensors[k] for k in tensors.keys() if k.startswith(TE_PREFIXES)}, metadata
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise LoraError(f"{name}: cannot read its text-encoder tensors ({err})") from None
+
+
 def _family_hint(metadata: Mapping) -> str:
     for key in ("ss_base_model_version", "modelspec.architecture", "ss_sd_model_name"):
         if metadata.get(key):
@@ -527,36 +536,32 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class LoraMerger:
-    """Parsed and validated LoRAs, merged one canonical key at a time (for streaming through a checkpoint)."""
+    """Parsed and validated LoRAs, merged one canonical key at a time (for streaming through a checkpoint).
+
+    ``parsed`` keeps [(modules, strength)] per LoRA in order and ``plan`` maps each canonical key to its
+    [(module, strength, part)] entries (``part``: ``weight`` or ``bias``).
+    """
 
     def __init__(self, loras: Sequence, cfg: layout.UNetConfig, shapes: Mapping[str, Sequence[int]],
                  keys: set | None = None, fold_sites: Iterable[str] | None = None):
         self.report = MergeReport()
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
         index = ModuleIndex(cfg, self.shapes)
-        self.plan: dict[str, list] = {}          # canonical key → [(module, strength, part)]
+        self.plan: dict[str, list] = {}
+        self.parsed: list[tuple[list[LoraModule], float]] = []
         problems, hints = [], []
         for src, strength in loras:
             strength = float(strength)
             if not math.isfinite(strength):
                 raise LoraError(f"strength {strength} is not a finite number")
             mods = parse_lora(src, index, self.report, strength, keys)
+            fitting = []
             for mod in mods:
                 found = check_module(mod, self.shapes.get)
-                if found:
-                    problems.extend(f"{mod.source}: {p}" for p in found)
-                    continue
-                if strength == 0:
-                    continue
-                parts = ["weight"] if _delta_shape(mod) is not None else []
-                if any(r in mod.tensors for r in ("diff_b", "b_norm")):
-                    parts.append("bias")
-                for part in parts:
-                    key = f"{mod.target}.{part}"
-                    if keys is not None and key not in keys:
-                        continue
-                    self.plan.setdefault(key, []).append((mod, strength, part))
-                    self.report.merged.setdefault(key, []).append(mod.ref())
+                problems.extend(f"{mod.source}: {p}" for p in found)
+                if not found:
+                    fitting.append(mod)
+            self.parsed.append((fitting, strength))
             if self.report.loras and self.report.loras[-1].get("metadata_hint"):
                 hints.append(self.report.loras[-1]["source"] + ": " + self.report.loras[-1]["metadata_hint"])
         if problems:
@@ -564,6 +569,16 @@ class LoraMerger:
             hint = f"; LoRA metadata: {'; '.join(hints)}" if hints else ""
             raise LoraError("LoRA does not fit this model (made for another family, e.g. an SDXL LoRA on SD1.5?): "
                             + "; ".join(problems[:6]) + more + hint)
+        for mods, strength in self.parsed:
+            if strength == 0:
+                continue
+            for mod in mods:
+                for part in module_parts(mod):
+                    key = f"{mod.target}.{part}"
+                    if keys is not None and key not in keys:
+                        continue
+                    self.plan.setdefault(key, []).append((mod, strength, part))
+                    self.report.merged.setdefault(key, []).append(mod.ref())
         if fold_sites is not None:
             self.report.warnings.extend(fold_conflicts(self.report, fold_sites))
 
@@ -572,21 +587,35 @@ class LoraMerger:
 
     def merge(self, key: str, base: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``base`` with every planned delta for ``key`` applied, in ``dtype`` (default: the compute dtype)."""
-        dt = dtype or compute_dtype(base.dtype)
-        w = base.to(dt, copy=True)
-        for mod, strength, part in self.plan.get(key, ()):
-            t = mod.tensors
-            if part == "bias":
-                w.add_(t["diff_b" if mod.kind == "diff" else "b_norm"].to(dt).reshape(w.shape), alpha=strength)
-            elif mod.kind == "lora" and "mid" not in t and mod.dora is None:
-                # plain LoRA/LoCon: W += s·(α/r)·up·down fused into one in-place matmul (no ΔW allocation)
-                w.view(w.shape[0], -1).addmm_(t["up"].to(dt).flatten(1), t["down"].to(dt).flatten(1),
-                                              alpha=strength * module_scale(mod))
-            elif mod.dora is not None:
-                w = _dora_merge(w, delta_weight(mod, w.shape, dt), mod.dora, strength, mod.dora_on_output(w.shape))
-            else:
-                w.add_(delta_weight(mod, w.shape, dt), alpha=strength)
-        return w
+        return apply_deltas(base, self.plan.get(key, ()), dtype)
+
+
+def module_parts(mod: LoraModule) -> list[str]:
+    """The parts of its layer a module changes: ``weight`` and/or ``bias``."""
+    parts = ["weight"] if _delta_shape(mod) is not None else []
+    if any(r in mod.tensors for r in ("diff_b", "b_norm")):
+        parts.append("bias")
+    return parts
+
+
+def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``base`` + each entry's delta, for entries (module, strength, part) of one tensor, in ``dtype`` (default:
+    the compute dtype); ``base`` is not modified."""
+    dt = dtype or compute_dtype(base.dtype)
+    w = base.to(dt, copy=True)
+    for mod, strength, part in entries:
+        t = mod.tensors
+        if part == "bias":
+            w.add_(t["diff_b" if mod.kind == "diff" else "b_norm"].to(dt).reshape(w.shape), alpha=strength)
+        elif mod.kind == "lora" and "mid" not in t and mod.dora is None:
+            # plain LoRA/LoCon: W += s·(α/r)·up·down fused into one in-place matmul (no ΔW allocation)
+            w.view(w.shape[0], -1).addmm_(t["up"].to(dt).flatten(1), t["down"].to(dt).flatten(1),
+                                          alpha=strength * module_scale(mod))
+        elif mod.dora is not None:
+            w = _dora_merge(w, delta_weight(mod, w.shape, dt), mod.dora, strength, mod.dora_on_output(w.shape))
+        else:
+            w.add_(delta_weight(mod, w.shape, dt), alpha=strength)
+    return w
 
 
 def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
@@ -596,14 +625,14 @@ def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
     """
     names = fold_sites.sites if hasattr(fold_sites, "sites") else fold_sites
     norm2 = {f"{s}.{layout.RES_LAYERS['ldm']['norm2']}" for s in names if layout.site_kind(s) == "res"}
-    out = []
-    for key, refs in report.merged.items():
-        module = key.rsplit(".", 1)[0]
-        if module in norm2:
-            out.append(f"{', '.join(refs)} changes {key} (norm2 of the slimmed ResBlock "
-                       f"{module[:-len('.out_layers.0')]}); the fold replaces that layer, so this part of the LoRA "
-                       "is lost")
-    return out
+    return [norm2_lost(key, refs) for key, refs in report.merged.items() if key.rsplit(".", 1)[0] in norm2]
+
+
+def norm2_lost(key: str, refs: Sequence[str]) -> str:
+    """The warning for LoRA modules ``refs`` whose delta on ``key`` (a slimmed ResBlock's norm2) cannot survive."""
+    module = key.rsplit(".", 1)[0]
+    return (f"{', '.join(refs)} changes {key} (norm2 of the slimmed ResBlock {module[:-len('.out_layers.0')]}); "
+            "the fold replaces that layer, so this part of the LoRA is lost")
 
 
 def _shape_getter(weights: Mapping):

@@ -1,4 +1,5 @@
-"""`sdslim slim`: LoRAs merged into the full weights, adapters folded, a slim checkpoint written."""
+"""`sdslim slim`: LoRAs merged into the full weights and adapters folded into a slim checkpoint; or LoRAs applied,
+in slim space, to a checkpoint that is already slim."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ def run(args) -> int:
     from .slim import slim_checkpoint
     loras = [parse_lora_arg(x) for x in args.lora]
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
-                             progress=_progress(not args.json and sys.stderr.isatty()))
+                             progress=_progress(not args.json and sys.stderr.isatty()),
+                             embed_adapters=not args.no_embed_adapters)
     info = result.to_dict()
     if args.json:
         print(json.dumps(info))
@@ -31,24 +33,44 @@ def run(args) -> int:
     else:
         for w in result.warnings:
             print(f"warning: {w}", file=sys.stderr)
+    mib = 2 ** 20
+    if result.lora_forms:
+        forms = ", ".join(f"{n} {f}" for f, n in sorted(result.lora_forms.items()))
+        print(f"{result.family}: applied in slim space, no re-fold ({forms} LoRA modules); wrote {result.out} "
+              f"({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s", file=sys.stderr)
+        return 0
     print(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
           f"{result.unet_params_after / 1e6:.1f}M parameters ({info['ratio']:.2f}x); wrote {result.out} "
-          f"({result.file_bytes / 2 ** 20:.1f} MiB) in {result.seconds:.1f} s", file=sys.stderr)
+          f"({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s", file=sys.stderr)
+    if result.adapter_bytes:
+        print(f"embedded adapters: {result.adapter_bytes / mib:.1f} MiB "
+              f"(+{result.adapter_bytes / (result.file_bytes - result.adapter_bytes):.0%} over the file without "
+              "them), so LoRAs can be applied to it later without the adapter file; --no-embed-adapters stores "
+              "only the adapter file's sha256", file=sys.stderr)
     return 0
 
 
 def register(sub):
-    p = sub.add_parser("slim", help="merge LoRAs, fold adapters and write a slim checkpoint",
+    p = sub.add_parser("slim", help="fold adapters into a slim checkpoint (LoRAs merged first), or apply LoRAs to a "
+                                    "slim checkpoint",
                        description="Merge LoRAs into the full UNet weights, fold the sdslim adapters and write a "
                                    "slim .safetensors checkpoint (same key names, slim shapes; text encoder and VAE "
-                                   "copied through). The input is never modified.")
-    p.add_argument("--ckpt", required=True, help="LDM/ComfyUI single-file .safetensors or a diffusers UNet folder")
-    p.add_argument("--adapters", required=True, help="sdslim adapter file (.safetensors)")
+                                   "copied through; the adapters embedded under sdslim.adapters.). Given a slim "
+                                   "checkpoint, apply the LoRAs to it in slim space instead (exact, no re-fold, no "
+                                   "adapter file needed when they are embedded). The input is never modified.")
+    p.add_argument("--ckpt", required=True, help="LDM/ComfyUI single-file .safetensors or a diffusers UNet folder; "
+                                                 "or a slim checkpoint")
+    p.add_argument("--adapters", help="sdslim adapter file (.safetensors); needed to fold, optional for a slim "
+                                      "--ckpt (then checked against the sha256 the checkpoint records)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
-                   help="LoRA/LyCORIS/peft file merged before folding (repeatable; strength default 1.0)")
+                   help="LoRA/LyCORIS/peft file (repeatable; strength default 1.0): merged before folding, or "
+                        "applied in slim space to a slim --ckpt")
     p.add_argument("--out", required=True, help="output .safetensors (must differ from --ckpt)")
     p.add_argument("--select", type=float, default=1.0,
                    help="fraction of adapter sites to fold, lowest recorded error first (default 1.0: all)")
+    p.add_argument("--no-embed-adapters", action="store_true",
+                   help="do not store the adapter tensors in the slim checkpoint (smaller file; applying LoRAs to it "
+                        "later then needs --adapters)")
     p.add_argument("--device", default="cpu", help="device for the fold arithmetic (e.g. cuda); default cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)

@@ -26,48 +26,58 @@ def compute_dtype(*tensors) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------- the three linear maps
+# Each map computes in the dtype of the adapter tensors it is given; ``x`` may have any float dtype (it is cast on
+# the way in) and the result comes in ``out_dtype`` (default: the compute dtype).
 
-def map_rows(x: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def map_rows(x: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """D·X on the first axis: [c, …] → [r, …] (conv1/emb weights and biases, a LoRA's up factor there)."""
-    return torch.mm(down, x.reshape(x.shape[0], -1)).reshape((down.shape[0],) + tuple(x.shape[1:]))
+    y = torch.mm(down, x.reshape(x.shape[0], -1).to(down.dtype))
+    return y.to(out_dtype or down.dtype).reshape((down.shape[0],) + tuple(x.shape[1:]))
 
 
-def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.Tensor) -> torch.Tensor:
+def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.Tensor,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """blockdiag(A_v, A_g)·X: [2m, …] → [2r, …], value rows first (GEGLU proj weight and bias, a LoRA's up factor
     there); both halves are written straight into one output buffer."""
     r, m = down_value.shape
-    flat = x.reshape(x.shape[0], -1)
+    flat = x.reshape(x.shape[0], -1).to(down_value.dtype)
     out = torch.empty((2 * r, flat.shape[1]), dtype=flat.dtype, device=flat.device)
     torch.mm(down_value, flat[:m], out=out[:r])
     torch.mm(down_gate, flat[m:], out=out[r:])
-    return out.reshape((2 * r,) + tuple(x.shape[1:]))
+    return out.to(out_dtype or out.dtype).reshape((2 * r,) + tuple(x.shape[1:]))
 
 
-def map_cols(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def map_cols(x: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """X×U on the second axis: [o, c, …] → [o, r, …] (net.2 and conv2 weights, a LoRA's down factor there).
 
-    Kernels are contracted as one matrix product over (o, kernel position) rows rather than an einsum."""
+    A kernel is contracted as one matrix product over (o, kernel position) rows rather than an einsum; the
+    transposes in and out are single copies that also cast."""
     o, c = x.shape[:2]
+    dt, out_dtype = up.dtype, out_dtype or up.dtype
     if x.ndim == 2:
-        return torch.mm(x, up)
-    k = math.prod(x.shape[2:])
-    rows = x.reshape(o, c, k).transpose(1, 2).reshape(o * k, c)        # one copy: [(o, kernel), c]
-    out = torch.mm(rows, up).reshape(o, k, -1).transpose(1, 2).contiguous()   # contiguous: conv2d's fast path
-    return out.reshape((o, up.shape[1]) + tuple(x.shape[2:]))
+        return torch.mm(x.to(dt), up).to(out_dtype)
+    k, r = math.prod(x.shape[2:]), up.shape[1]
+    rows = torch.empty((o, k, c), dtype=dt, device=x.device)
+    rows.copy_(x.reshape(o, c, k).transpose(1, 2))
+    y = torch.mm(rows.view(o * k, c), up)
+    out = torch.empty((o, r, k), dtype=out_dtype, device=x.device)    # contiguous: conv2d's fast path
+    out.copy_(y.view(o, k, r).transpose(1, 2))
+    return out.view((o, r) + tuple(x.shape[2:]))
 
 
-def map_layer(role: str, x: torch.Tensor, adapter: Mapping[str, torch.Tensor], bias: bool = False) -> torch.Tensor:
+def map_layer(role: str, x: torch.Tensor, adapter: Mapping[str, torch.Tensor], bias: bool = False,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fold of one layer of a site applied to ``x`` (its weight, bias or any delta of them).
 
-    ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors, in
-    ``x``'s dtype. The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
+    ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors, all in the
+    compute dtype. The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
     """
     if role == "proj":
-        return map_geglu_rows(x, adapter["down_value"], adapter["down_gate"])
+        return map_geglu_rows(x, adapter["down_value"], adapter["down_gate"], out_dtype)
     if role in ("conv1", "emb"):
-        return map_rows(x, adapter["down"])
+        return map_rows(x, adapter["down"], out_dtype)
     if role in ("out", "conv2"):
-        return x if bias else map_cols(x, adapter["up"])
+        return x.to(out_dtype or x.dtype) if bias else map_cols(x, adapter["up"], out_dtype)
     raise ValueError(f"layer role {role!r} has no fold map")
 
 
@@ -84,20 +94,21 @@ def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up):
     """Return (W'_p, b'_p, W'_o, b'_o) in the dtype of ``w_p``, computed in at least float32."""
     dt, out = compute_dtype(w_p, down_value), w_p.dtype
     t = {"down_value": down_value.to(dt), "down_gate": down_gate.to(dt), "up": up.to(dt)}
-    new_wp = map_layer("proj", w_p.to(dt), t).to(out)
-    new_bp = None if b_p is None else map_layer("proj", b_p.to(dt), t, bias=True).to(out)
-    new_wo = map_layer("out", w_o.to(dt), t).to(out)
-    return new_wp, new_bp, new_wo, None if b_o is None else b_o.clone()
+    return (map_layer("proj", w_p, t, out_dtype=out),
+            None if b_p is None else map_layer("proj", b_p, t, bias=True, out_dtype=out),
+            map_layer("out", w_o, t, out_dtype=out), None if b_o is None else b_o.clone())
 
 
 def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
     """Return (W'_1, b'_1, W'_e, b'_e, W'_2, b'_2); ``w_e`` may be None (no time embedding)."""
     dt, out = compute_dtype(w_1, down), w_1.dtype
     t = {"down": down.to(dt), "up": up.to(dt)}
-    new = [None if x is None else map_layer(role, x.to(dt), t, bias=bias).to(out)
+    new = [None if x is None else map_layer(role, x, t, bias=bias, out_dtype=out)
            for role, x, bias in (("conv1", w_1, False), ("conv1", b_1, True), ("emb", w_e, False),
                                  ("emb", b_e, True), ("conv2", w_2, False))]
     return (*new, None if b_2 is None else b_2.clone())
+
+
 def fold_site(site: str, kind: str, get: Callable[[str], torch.Tensor | None], tensors: Mapping) -> dict:
     """Fold one site: ``get(canonical_key)`` returns the (LoRA-merged) weight or None; returns new canonical
     tensors for every key the site changes (norm2 included, taken from the adapter)."""

@@ -7,8 +7,10 @@ Per form, on the layers of folded sites (modules on every other layer pass throu
 - LoRA / LoCon (incl. a Tucker ``lora_mid``; kohya, peft, diffusers, ComfyUI names): stays low-rank, same rank and
   alpha. Output-side layers map the up factor (GEGLU proj: blockdiag(A_v, A_g)·up; conv1/emb: D·up), input-side
   layers map the down factor (net.2: down·U; conv2: down×U, a LoCon's 3×3 factor absorbs U);
-- LoHa, LoKr, full diffs, LyCORIS norm deltas: ΔW (:func:`sdslim_core.lora.delta_weight`) mapped to an exact dense
-  slim-size delta (kind ``diff``); bias deltas (``diff_b``/``b_norm``) are mapped the same way;
+- LoHa without Tucker cores: (W1a·W1b)⊙(W2a·W2b) is exactly a LoRA of rank k1·k2 (row-wise Kronecker factors),
+  converted as above where that rank is cheaper than the dense layer, else like the next item;
+- LoHa with Tucker cores, LoKr, full diffs, LyCORIS norm deltas: ΔW (:func:`sdslim_core.lora.delta_weight`) mapped
+  to an exact dense slim-size delta (kind ``diff``); bias deltas (``diff_b``/``b_norm``) are mapped the same way;
 - DoRA on a folded layer renormalises with the full-size base weight: refused (:class:`LoraError`, fold it instead);
 - anything on a folded ResBlock's norm2 (which the fold replaces): dropped, with :func:`sdslim_core.lora.norm2_lost`.
 
@@ -20,6 +22,7 @@ a module: apply a converted module with the strength its original would get.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -72,7 +75,9 @@ class SlimSpace:
                             "longer has, so it cannot be applied in slim space; fold it instead: apply it to the "
                             "original checkpoint before slimming (sdslim slim --ckpt ORIGINAL --adapters ADAPTERS "
                             "--lora ...; in ComfyUI, a LoRA loader before Slim UNet)")
-        return LOW_RANK if mod.kind == "lora" else DENSE
+        if mod.kind == "lora" or mod.kind == "loha" and self._loha_rank_pays(mod, site, role):
+            return LOW_RANK
+        return DENSE
 
     def convert(self, mod: LoraModule, parts: Iterable[str] = ("weight", "bias")) -> LoraModule | None:
         """``mod`` in slim space: the same object when untouched, None when dropped, else a new module (kind
@@ -88,6 +93,9 @@ class SlimSpace:
         ad = self._adapter(site, dt)
         full = self.full_shapes[f"{mod.target}.weight"]
         if form == LOW_RANK:
+            if mod.kind == "loha":
+                mod = _loha_as_lora(mod, full, dt)
+                t = mod.tensors
             new = dict(t)
             if role in ("out", "conv2"):                      # input side: down [k, c(, kh, kw)] → [k, r(, kh, kw)]
                 down = t["down"].to(dt)
@@ -107,11 +115,36 @@ class SlimSpace:
             new["diff_b"] = fold.map_layer(role, bias, ad, bias=True)
         return dataclasses.replace(mod, kind="diff", tensors=new, scale_override=None)
 
+    def _loha_rank_pays(self, mod: LoraModule, site: str, role: str) -> bool:
+        """Whether a plain LoHa on this layer is cheaper as its exact rank-k1·k2 factorisation than dense."""
+        t = mod.tensors
+        if "hada_t1" in t:
+            return False
+        full = self.full_shapes[f"{mod.target}.weight"]
+        r, n = self.adapters.rank(site), math.prod(full[1:])
+        rows, cols = ((2 * r if role == "proj" else r), n) if role in ("proj", "conv1", "emb") else \
+            (full[0], r * math.prod(full[2:]))
+        k = t["hada_w1_b"].shape[0] * t["hada_w2_b"].shape[0]
+        return k * (rows + cols) < rows * cols
+
     def _adapter(self, site: str, dt: torch.dtype) -> dict:
         if self._cached[:2] != (site, dt):
             self._cached = (None, None, None)                   # release the previous site first
             self._cached = (site, dt, {n: v.to(dt) for n, v in self._site_tensors(site).items()})
         return self._cached[2]
+
+
+def _loha_as_lora(mod: LoraModule, full: tuple, dt: torch.dtype) -> LoraModule:
+    """A plain LoHa as the LoRA it equals: (W1a·W1b)⊙(W2a·W2b) = U·V with U = W1a•W2a (row-wise Kronecker,
+    [out, k1·k2]) and V = W1bᵀ•W2bᵀ transposed ([k1·k2, in]); scale α/k1 kept. Conv factors get conv shapes."""
+    t = {k: v.to(dt) for k, v in mod.tensors.items() if k.startswith("hada_")}
+    w1a, w1b, w2a, w2b = t["hada_w1_a"], t["hada_w1_b"], t["hada_w2_a"], t["hada_w2_b"]
+    k = w1b.shape[0] * w2b.shape[0]
+    up = (w1a[:, :, None] * w2a[:, None, :]).reshape(w1a.shape[0], k)
+    down = (w1b[:, None, :] * w2b[None, :, :]).reshape(k, -1)
+    if len(full) == 4:
+        up, down = up[:, :, None, None], down.reshape((k,) + tuple(full[1:]))
+    return dataclasses.replace(mod, kind="lora", tensors={"up": up, "down": down}, scale_override=module_scale(mod))
 
 
 @dataclasses.dataclass

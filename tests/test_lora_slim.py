@@ -174,19 +174,25 @@ def test_real_width_loha_lokr_diff_dense_and_norm2_dropped(real_width):
     g = torch.Generator().manual_seed(2)
     shapes = {k[:-len(".weight")]: tuple(v.shape) for k, v in w.items() if k.endswith(".weight")}
     sd = lycoris_file(g, shapes)
-    loras = [(sd, 0.7)]
-    got, (conv,) = slim_apply(w, aset, loras, CFG15)
+    n = kohya(EMB)                                           # plain LoHa of rank 24·24: dearer as a LoRA than dense
+    wide = {f"{n}.hada_w1_a": rnd(g, 320, 24, scale=0.1), f"{n}.hada_w1_b": rnd(g, 24, 1280, scale=0.1),
+            f"{n}.hada_w2_a": rnd(g, 320, 24, scale=0.1), f"{n}.hada_w2_b": rnd(g, 24, 1280, scale=0.1)}
+    loras = [(sd, 0.7), (wide, -1.1)]
+    got, (conv, conv_wide) = slim_apply(w, aset, loras, CFG15)
     ref, merged = fold_of_merged(w, aset, loras, CFG15)
     base_slim = {**w, **fold.fold_state_dict(w, aset)}
     assert f"{NORM2}.weight" in merged                      # the full-size merge did change norm2 ...
     assert torch.equal(got[f"{NORM2}.weight"], base_slim[f"{NORM2}.weight"])   # ... which the fold replaces anyway
     assert assert_equal_states(got, ref, base_slim) == 6    # proj, out, conv1, conv2 weights; emb weight and bias
-    assert conv.counts() == {"low-rank": 0, "dense": 5, "unchanged": 0, "dropped": 1}
+    # plain LoHa on proj: exactly a rank-16 (4·4) LoRA; Tucker LoHa, LoKr and the full diff: dense
+    assert conv.counts() == {"low-rank": 1, "dense": 4, "unchanged": 0, "dropped": 1}
+    assert conv_wide.counts() == {"low-rank": 0, "dense": 1, "unchanged": 0, "dropped": 0}
     assert len(conv.warnings) == 2 and all(NORM2 in x and "lost" in x for x in conv.warnings)
-    dense = {m.target: m for m in conv.modules}
-    assert all(m.kind == "diff" for m in dense.values())
-    assert dense[PROJ].tensors["diff"].shape == (1280, 320) and dense[CONV2].tensors["diff"].shape == (320, 160, 3, 3)
-    assert dense[EMB].tensors["diff_b"].shape == (160,)
+    new = {m.target: m for m in conv.modules}
+    assert new[PROJ].kind == "lora" and new[PROJ].tensors["up"].shape == (1280, 16)
+    assert all(new[k].kind == "diff" for k in (OUT, CONV1, CONV2, EMB))
+    assert new[OUT].tensors["diff"].shape == (320, 640) and new[CONV2].tensors["diff"].shape == (320, 160, 3, 3)
+    assert new[EMB].tensors["diff_b"].shape == (160,)
 
 
 def test_dora_refused_on_folded_layers_kept_elsewhere_and_untouched_modules_pass_through(real_width):
@@ -261,4 +267,4 @@ def test_tiny_unets_every_naming_and_strength_equal_fold_of_merged(naming, tiny_
     counts = [c.counts() for c in conversions]
     assert counts[0]["low-rank"] == len(aset.sites) * 2 + sum(aset.kind(s) == "res" for s in aset.sites)
     n_ff = sum(aset.kind(s) == "ff" for s in aset.sites)
-    assert counts[3] == {"low-rank": 0, "dense": n_ff, "unchanged": 0, "dropped": 0}
+    assert counts[3] == {"low-rank": n_ff, "dense": 0, "unchanged": 0, "dropped": 0}   # LoHa rank 2·2

@@ -158,10 +158,10 @@ def test_lora_convert_writes_a_kohya_file_that_plain_merging_applies_exactly(fil
     d = files
     slim_w, _, meta = unet_tensors(d / "slim.safetensors")
     slim_shapes = {k: tuple(v.shape) for k, v in slim_w.items()}
-    sites = json.loads(meta["sdslim.ranks"])            # every FF proj and every conv2 carries a LoHa
+    sites = json.loads(meta["sdslim.ranks"])            # every FF proj and every conv2 carries a LoHa (rank 2·2)
     for src, strength, forms in (("kohya.safetensors", 0.8, {"low-rank": 2, "unchanged": 2}),
                                  ("locon.safetensors", 1.0, {"low-rank": 3, "unchanged": 1}),
-                                 ("loha.safetensors", 0.6, {"dense": len(sites), "dropped": 1})):
+                                 ("loha.safetensors", 0.6, {"low-rank": len(sites), "dropped": 1})):
         out = tmp_path / f"{src}.slim.safetensors"
         rc, text, err = run(capsys, "lora", "convert", "--slim", d / "slim.safetensors", "--lora",
                             f"{d / src}:{strength}", "--out", out, "--json")

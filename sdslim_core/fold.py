@@ -26,13 +26,30 @@ def compute_dtype(*tensors) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------- the three linear maps
-# Each map computes in the dtype of the adapter tensors it is given; ``x`` may have any float dtype (it is cast on
-# the way in) and the result comes in ``out_dtype`` (default: the compute dtype).
+# Each map computes in ``compute_dtype(x, adapter)``; ``x`` may have any float dtype (it is cast on the way in), the
+# adapter tensors too (they are cast a slab of rows at a time, so an fp16 adapter never gets a whole float32 copy
+# and each cast slab is used while in cache), and the result comes in ``out_dtype`` (default: the compute dtype).
+
+_SLAB_BYTES = 4 << 20
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` in ``b``'s dtype, ``a`` cast to it a slab of rows at a time."""
+    if a.dtype == b.dtype:
+        return torch.mm(a, b, out=out)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=b.dtype, device=b.device)
+    rows = max(1, _SLAB_BYTES // (a.shape[1] * b.element_size()))
+    for i in range(0, a.shape[0], rows):
+        torch.mm(a[i:i + rows].to(b.dtype), b, out=out[i:i + rows])
+    return out
+
 
 def map_rows(x: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """D·X on the first axis: [c, …] → [r, …] (conv1/emb weights and biases, a LoRA's up factor there)."""
-    y = torch.mm(down, x.reshape(x.shape[0], -1).to(down.dtype))
-    return y.to(out_dtype or down.dtype).reshape((down.shape[0],) + tuple(x.shape[1:]))
+    dt = compute_dtype(x, down)
+    y = _mm(down, x.reshape(x.shape[0], -1).to(dt))
+    return y.to(out_dtype or dt).reshape((down.shape[0],) + tuple(x.shape[1:]))
 
 
 def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.Tensor,
@@ -40,28 +57,32 @@ def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.T
     """blockdiag(A_v, A_g)·X: [2m, …] → [2r, …], value rows first (GEGLU proj weight and bias, a LoRA's up factor
     there); both halves are written straight into one output buffer."""
     r, m = down_value.shape
-    flat = x.reshape(x.shape[0], -1).to(down_value.dtype)
-    out = torch.empty((2 * r, flat.shape[1]), dtype=flat.dtype, device=flat.device)
-    torch.mm(down_value, flat[:m], out=out[:r])
-    torch.mm(down_gate, flat[m:], out=out[r:])
-    return out.to(out_dtype or out.dtype).reshape((2 * r,) + tuple(x.shape[1:]))
+    dt = compute_dtype(x, down_value)
+    flat = x.reshape(x.shape[0], -1).to(dt)
+    out = torch.empty((2 * r, flat.shape[1]), dtype=dt, device=flat.device)
+    _mm(down_value, flat[:m], out=out[:r])
+    _mm(down_gate, flat[m:], out=out[r:])
+    return out.to(out_dtype or dt).reshape((2 * r,) + tuple(x.shape[1:]))
 
 
 def map_cols(x: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """X×U on the second axis: [o, c, …] → [o, r, …] (net.2 and conv2 weights, a LoRA's down factor there).
 
-    A kernel is contracted as one matrix product over (o, kernel position) rows rather than an einsum; the
+    Computed as (Uᵀ·Xᵀ) over (o, kernel position) columns, one matrix product rather than an einsum; the
     transposes in and out are single copies that also cast."""
     o, c = x.shape[:2]
-    dt, out_dtype = up.dtype, out_dtype or up.dtype
-    if x.ndim == 2:
-        return torch.mm(x.to(dt), up).to(out_dtype)
+    dt = compute_dtype(x, up)
+    out_dtype = out_dtype or dt
     k, r = math.prod(x.shape[2:]), up.shape[1]
-    rows = torch.empty((o, k, c), dtype=dt, device=x.device)
-    rows.copy_(x.reshape(o, c, k).transpose(1, 2))
-    y = torch.mm(rows.view(o * k, c), up)
-    out = torch.empty((o, r, k), dtype=out_dtype, device=x.device)    # contiguous: conv2d's fast path
-    out.copy_(y.view(o, k, r).transpose(1, 2))
+    if k == 1:
+        cols = x.reshape(o, c).to(dt)
+    else:
+        cols = torch.empty((o, k, c), dtype=dt, device=x.device)
+        cols.copy_(x.reshape(o, c, k).transpose(1, 2))
+        cols = cols.view(o * k, c)
+    y = _mm(up.t(), cols.t())                                           # [r, o·k]
+    out = torch.empty((o, r, k), dtype=out_dtype, device=x.device)     # contiguous: conv2d's fast path
+    out.copy_(y.view(r, o, k).permute(1, 0, 2))
     return out.view((o, r) + tuple(x.shape[2:]))
 
 
@@ -69,8 +90,8 @@ def map_layer(role: str, x: torch.Tensor, adapter: Mapping[str, torch.Tensor], b
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fold of one layer of a site applied to ``x`` (its weight, bias or any delta of them).
 
-    ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors, all in the
-    compute dtype. The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
+    ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors (any float
+    dtype). The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
     """
     if role == "proj":
         return map_geglu_rows(x, adapter["down_value"], adapter["down_gate"], out_dtype)
@@ -92,8 +113,7 @@ def layer_roles(site: str, kind: str) -> dict[str, str]:
 
 def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up):
     """Return (W'_p, b'_p, W'_o, b'_o) in the dtype of ``w_p``, computed in at least float32."""
-    dt, out = compute_dtype(w_p, down_value), w_p.dtype
-    t = {"down_value": down_value.to(dt), "down_gate": down_gate.to(dt), "up": up.to(dt)}
+    out, t = w_p.dtype, {"down_value": down_value, "down_gate": down_gate, "up": up}
     return (map_layer("proj", w_p, t, out_dtype=out),
             None if b_p is None else map_layer("proj", b_p, t, bias=True, out_dtype=out),
             map_layer("out", w_o, t, out_dtype=out), None if b_o is None else b_o.clone())
@@ -101,8 +121,7 @@ def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up):
 
 def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
     """Return (W'_1, b'_1, W'_e, b'_e, W'_2, b'_2); ``w_e`` may be None (no time embedding)."""
-    dt, out = compute_dtype(w_1, down), w_1.dtype
-    t = {"down": down.to(dt), "up": up.to(dt)}
+    out, t = w_1.dtype, {"down": down, "up": up}
     new = [None if x is None else map_layer(role, x, t, bias=bias, out_dtype=out)
            for role, x, bias in (("conv1", w_1, False), ("conv1", b_1, True), ("emb", w_e, False),
                                  ("emb", b_e, True), ("conv2", w_2, False))]

@@ -33,7 +33,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from . import layout
-from .safetensors_io import FileFormatError, LazyStateDict
+from .safetensors_io import FileFormatError, LazyStateDict, all_finite
 
 TE_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
                "text_encoders.", "lora_te.", "lora_te1.", "lora_te2.", "te.", "te1.", "te2.", "cond_stage_model.",
@@ -336,7 +336,7 @@ def parse_lora(src, index: ModuleIndex, report: MergeReport | None = None, stren
                 raise LoraError(f"{name}: cannot read tensor {key!r} ({err})") from None
             if not torch.is_tensor(t) or not torch.is_floating_point(t):
                 raise LoraError(f"{name}: tensor {key!r} has dtype {getattr(t, 'dtype', type(t))}, expected floats")
-            if not torch.isfinite(t).all():
+            if not all_finite(t):
                 raise LoraError(f"{name}: tensor {key!r} contains NaN or Inf")
             values[role] = t
         if "alpha" in values and values["alpha"].numel() != 1:
@@ -585,9 +585,10 @@ class LoraMerger:
     def touched(self) -> set[str]:
         return set(self.plan)
 
-    def merge(self, key: str, base: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``base`` with every planned delta for ``key`` applied, in ``dtype`` (default: the compute dtype)."""
-        return apply_deltas(base, self.plan.get(key, ()), dtype)
+    def merge(self, key: str, base: torch.Tensor, dtype: torch.dtype | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``base`` with every planned delta for ``key`` applied (see :func:`apply_deltas`)."""
+        return apply_deltas(base, self.plan.get(key, ()), dtype, out_dtype)
 
 
 def module_parts(mod: LoraModule) -> list[str]:
@@ -598,16 +599,43 @@ def module_parts(mod: LoraModule) -> list[str]:
     return parts
 
 
-def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``base`` + each entry's delta, for entries (module, strength, part) of one tensor, in ``dtype`` (default:
-    the compute dtype); ``base`` is not modified."""
+_SLAB_BYTES = 8 << 20
+
+
+def _plain_lora(mod: LoraModule, part: str) -> bool:
+    return part == "weight" and mod.kind == "lora" and "mid" not in mod.tensors and mod.dora is None
+
+
+def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``base`` + each entry's delta, for entries (module, strength, part) of one tensor, computed in ``dtype``
+    (default: the compute dtype) and returned in ``out_dtype`` (default: ``out``'s dtype, else ``dtype``).
+
+    ``base`` is not modified unless it is ``out``: a tensor of its shape that receives the result (in place, with
+    no new allocation of the weight's size, when every entry is a plain LoRA). Plain LoRA/LoCon entries with an
+    ``out_dtype`` other than the compute dtype go a slab of rows at a time, so the compute-dtype copy of the weight
+    never exists whole (a cast slab stays in cache)."""
     dt = dtype or compute_dtype(base.dtype)
+    out_dtype = out.dtype if out is not None else out_dtype or dt
+    entries = list(entries)
+    if out_dtype != dt and entries and all(_plain_lora(m, part) for m, _, part in entries):
+        factors = [(m.tensors["up"].to(dt).flatten(1), m.tensors["down"].to(dt).flatten(1), s * module_scale(m))
+                   for m, s, _ in entries]
+        flat = base.reshape(base.shape[0], -1)
+        dest = torch.empty(flat.shape, dtype=out_dtype, device=base.device) if out is None else out.view(flat.shape)
+        rows = max(1, _SLAB_BYTES // (flat.shape[1] * torch.finfo(dt).bits // 8))
+        for i in range(0, flat.shape[0], rows):
+            w = flat[i:i + rows].to(dt, copy=True)
+            for up, down, alpha in factors:       # W += s·(α/r)·up·down, one in-place matmul per LoRA
+                w.addmm_(up[i:i + rows], down, alpha=alpha)
+            dest[i:i + rows] = w
+        return dest.view(base.shape)
     w = base.to(dt, copy=True)
     for mod, strength, part in entries:
         t = mod.tensors
         if part == "bias":
             w.add_(t["diff_b" if mod.kind == "diff" else "b_norm"].to(dt).reshape(w.shape), alpha=strength)
-        elif mod.kind == "lora" and "mid" not in t and mod.dora is None:
+        elif _plain_lora(mod, part):
             # plain LoRA/LoCon: W += s·(α/r)·up·down fused into one in-place matmul (no ΔW allocation)
             w.view(w.shape[0], -1).addmm_(t["up"].to(dt).flatten(1), t["down"].to(dt).flatten(1),
                                           alpha=strength * module_scale(mod))
@@ -615,7 +643,7 @@ def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | Non
             w = _dora_merge(w, delta_weight(mod, w.shape, dt), mod.dora, strength, mod.dora_on_output(w.shape))
         else:
             w.add_(delta_weight(mod, w.shape, dt), alpha=strength)
-    return w
+    return w.to(out_dtype) if out is None else out.copy_(w)
 
 
 def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
@@ -658,7 +686,7 @@ def merge_loras(weights_canonical: Mapping, loras: Sequence, cfg: layout.UNetCon
     out = {}
     for key in merger.plan:
         base = weights_canonical[key]
-        out[key] = merger.merge(key, base).to(base.dtype)
+        out[key] = merger.merge(key, base, out_dtype=base.dtype)
     return out, merger.report
 
 

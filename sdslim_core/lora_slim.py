@@ -8,7 +8,7 @@ Per form, on the layers of folded sites (modules on every other layer pass throu
   alpha. Output-side layers map the up factor (GEGLU proj: blockdiag(A_v, A_g)·up; conv1/emb: D·up), input-side
   layers map the down factor (net.2: down·U; conv2: down×U, a LoCon's 3×3 factor absorbs U);
 - LoHa without Tucker cores: (W1a·W1b)⊙(W2a·W2b) is exactly a LoRA of rank k1·k2 (row-wise Kronecker factors),
-  converted as above where that rank is cheaper than the dense layer, else like the next item;
+  converted as above where that costs no more than the dense slim layer, else like the next item;
 - LoHa with Tucker cores, LoKr, full diffs, LyCORIS norm deltas: ΔW (:func:`sdslim_core.lora.delta_weight`) mapped
   to an exact dense slim-size delta (kind ``diff``); bias deltas (``diff_b``/``b_norm``) are mapped the same way;
 - DoRA on a folded layer renormalises with the full-size base weight: refused (:class:`LoraError`, fold it instead);
@@ -51,7 +51,7 @@ class SlimSpace:
         for site in adapters.sites:
             for module, role in fold.layer_roles(site, adapters.kind(site)).items():
                 self.roles[module] = (site, role)
-        self._cached: tuple = (None, None, None)               # (site, dtype, tensors): the last site used
+        self._cached: tuple = (None, None)                     # (site, its adapter tensors): the last site read
 
     @classmethod
     def for_slim(cls, adapters: AdapterSet, slim_shapes: Mapping[str, tuple], site_tensors=None) -> "SlimSpace":
@@ -90,7 +90,7 @@ class SlimSpace:
         site, role = self.roles[mod.target]
         t = mod.tensors
         dt = fold.compute_dtype(*t.values(), *self.adapters.sites[site].values())
-        ad = self._adapter(site, dt)
+        ad = self._adapter(site)
         full = self.full_shapes[f"{mod.target}.weight"]
         if form == LOW_RANK:
             if mod.kind == "loha":
@@ -116,7 +116,7 @@ class SlimSpace:
         return dataclasses.replace(mod, kind="diff", tensors=new, scale_override=None)
 
     def _loha_rank_pays(self, mod: LoraModule, site: str, role: str) -> bool:
-        """Whether a plain LoHa on this layer is cheaper as its exact rank-k1·k2 factorisation than dense."""
+        """Whether a plain LoHa on this layer is no dearer as its exact rank-k1·k2 factorisation than dense."""
         t = mod.tensors
         if "hada_t1" in t:
             return False
@@ -125,13 +125,13 @@ class SlimSpace:
         rows, cols = ((2 * r if role == "proj" else r), n) if role in ("proj", "conv1", "emb") else \
             (full[0], r * math.prod(full[2:]))
         k = t["hada_w1_b"].shape[0] * t["hada_w2_b"].shape[0]
-        return k * (rows + cols) < rows * cols
+        return k * (rows + cols) <= rows * cols
 
-    def _adapter(self, site: str, dt: torch.dtype) -> dict:
-        if self._cached[:2] != (site, dt):
-            self._cached = (None, None, None)                   # release the previous site first
-            self._cached = (site, dt, {n: v.to(dt) for n, v in self._site_tensors(site).items()})
-        return self._cached[2]
+    def _adapter(self, site: str) -> Mapping[str, torch.Tensor]:
+        if self._cached[0] != site:                            # the last site read (modules come grouped by site)
+            self._cached = (None, None)
+            self._cached = (site, self._site_tensors(site))
+        return self._cached[1]
 
 
 def _loha_as_lora(mod: LoraModule, full: tuple, dt: torch.dtype) -> LoraModule:

@@ -317,7 +317,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
                     progress(len(done_sites), len(aset.sites), site)
             return pending.pop(ckey)
         t = base(ckey)
-        return merger.merge(ckey, t).to(t.dtype) if ckey in touched else t
+        return merger.merge(ckey, t, out_dtype=t.dtype) if ckey in touched else t
 
     write_safetensors_streaming(out, entries, produce, meta)
     before = sum(math.prod(s) for s in canon_shapes.values())
@@ -430,7 +430,7 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
             new = space.convert(mod, (part,))
             if new is not None:
                 entries.append((new, strength, part))
-        return apply_deltas(t.to(dev), entries).to("cpu", t.dtype)
+        return apply_deltas(t.to(dev), entries, out_dtype=t.dtype).cpu()
 
     new_meta = dict(lazy.metadata)
     new_meta["sdslim.loras"] = json.dumps(list(view.metadata.get("sdslim.loras") or []) +

@@ -268,3 +268,24 @@ def test_tiny_unets_every_naming_and_strength_equal_fold_of_merged(naming, tiny_
     assert counts[0]["low-rank"] == len(aset.sites) * 2 + sum(aset.kind(s) == "res" for s in aset.sites)
     n_ff = sum(aset.kind(s) == "ff" for s in aset.sites)
     assert counts[3] == {"low-rank": n_ff, "dense": 0, "unchanged": 0, "dropped": 0}   # LoHa rank 2·2
+
+
+def test_apply_deltas_in_row_slabs_matches_the_whole_tensor(monkeypatch):
+    """fp16 weights with plain LoRAs go a slab of rows at a time (no whole float32 copy); same result."""
+    g = torch.Generator().manual_seed(5)
+    base = (torch.randn(300, 40, 3, 3, generator=g) * 0.1).half()
+    entries = []
+    for s, r in ((0.8, 4), (-0.3, 8)):
+        mod = lora.LoraModule("x", f"m{r}", "layer", "lora", {"up": rnd(g, 300, r, 1, 1, scale=0.1).half(),
+                              "down": rnd(g, r, 40, 3, 3, scale=0.1).half(), "alpha": torch.tensor(2.0)}, [])
+        entries.append((mod, s, "weight"))
+    whole = lora.apply_deltas(base, entries).half()
+    monkeypatch.setattr(lora, "_SLAB_BYTES", 64 * 360 * 4)              # 64 rows a slab: 5 slabs
+    slabs = lora.apply_deltas(base, entries, out_dtype=torch.float16)
+    assert slabs.dtype == torch.float16 and slabs.shape == base.shape
+    ref = base.double() + sum(s * 2.0 / m.tensors["down"].shape[0] * (m.tensors["up"].double().flatten(1) @
+                              m.tensors["down"].double().flatten(1)).reshape(base.shape) for m, s, _ in entries)
+    assert (slabs.double() - whole.double()).abs().max() <= 2 ** -10 * ref.abs().max()   # within fp16 rounding
+    assert rel(slabs.double(), ref) < 1e-3 and not torch.equal(slabs, base)
+    inplace = base.clone()
+    assert lora.apply_deltas(inplace, entries, out=inplace) is not None and torch.equal(inplace, slabs)

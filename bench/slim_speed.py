@@ -457,7 +457,8 @@ def report(args, runs, sizes, slim_bytes, load_start, load_end, before, pressure
                "Wall times on this shared box depend on the other jobs (Linux CPU pressure, share of time some task "
                f"waited for a core: {pressure}); CPU time is what each process itself used, summed "
                f"over its threads, so on an idle {args.threads}-core box the wall time of the GEMM-bound fold "
-               "approaches CPU time / threads.", "",
+               f"approaches CPU time / threads. In this run the {args.threads}-thread GEMM probe got "
+               f"{gemm / gemm_cpu:.2f} cores' worth (CPU time / wall time).", "",
                f"Goals: a rank-16 LoRA applied to a slim SD1.5 ≤ 0.5 s — {'met' if lora_ms <= 0.5 else 'NOT met'} "
                f"({lora_ms:.2f} s wall, {mem['lora']['cpu_s']:.2f} s CPU, in memory); the one-time fold ≤ 15 s — "
                f"{'met' if once <= 15 else 'NOT met'} in wall time ({once:.1f} s, of which {inside['fold']:.1f} s "

@@ -45,6 +45,18 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
     return out
 
 
+def _mm_right(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x @ a`` in ``x``'s dtype, ``a`` cast to it a slab of rows at a time (the inner dimension split, so each slab is
+    read contiguously and used while in cache)."""
+    if a.dtype == x.dtype:
+        return torch.mm(x, a)
+    rows = max(1, _SLAB_BYTES // (a.shape[1] * x.element_size()))
+    out = torch.mm(x[:, :rows], a[:rows].to(x.dtype))
+    for i in range(rows, a.shape[0], rows):
+        out.addmm_(x[:, i:i + rows], a[i:i + rows].to(x.dtype))
+    return out
+
+
 def map_rows(x: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """D·X on the first axis: [c, …] → [r, …] (conv1/emb weights and biases, a LoRA's up factor there)."""
     dt = compute_dtype(x, down)
@@ -68,21 +80,19 @@ def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.T
 def map_cols(x: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """X×U on the second axis: [o, c, …] → [o, r, …] (net.2 and conv2 weights, a LoRA's down factor there).
 
-    Computed as (Uᵀ·Xᵀ) over (o, kernel position) columns, one matrix product rather than an einsum; the
+    A kernel is contracted as one matrix product over (o, kernel position) rows rather than an einsum; the
     transposes in and out are single copies that also cast."""
     o, c = x.shape[:2]
     dt = compute_dtype(x, up)
     out_dtype = out_dtype or dt
     k, r = math.prod(x.shape[2:]), up.shape[1]
     if k == 1:
-        cols = x.reshape(o, c).to(dt)
-    else:
-        cols = torch.empty((o, k, c), dtype=dt, device=x.device)
-        cols.copy_(x.reshape(o, c, k).transpose(1, 2))
-        cols = cols.view(o * k, c)
-    y = _mm(up.t(), cols.t())                                           # [r, o·k]
+        return _mm_right(x.reshape(o, c).to(dt), up).to(out_dtype).reshape((o, r) + tuple(x.shape[2:]))
+    rows = torch.empty((o, k, c), dtype=dt, device=x.device)
+    rows.copy_(x.reshape(o, c, k).transpose(1, 2))
+    y = _mm_right(rows.view(o * k, c), up)                             # [(o, kernel), r]
     out = torch.empty((o, r, k), dtype=out_dtype, device=x.device)     # contiguous: conv2d's fast path
-    out.copy_(y.view(r, o, k).permute(1, 0, 2))
+    out.copy_(y.view(o, k, r).transpose(1, 2))
     return out.view((o, r) + tuple(x.shape[2:]))
 
 

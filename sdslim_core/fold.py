@@ -27,16 +27,18 @@ def compute_dtype(*tensors) -> torch.dtype:
 
 # ------------------------------------------------------------------------------------- the three linear maps
 # Each map computes in ``compute_dtype(x, adapter)``; ``x`` may have any float dtype (it is cast on the way in), the
-# adapter tensors too (they are cast a slab of rows at a time, so an fp16 adapter never gets a whole float32 copy
-# and each cast slab is used while in cache), and the result comes in ``out_dtype`` (default: the compute dtype).
+# adapter tensors too (against a narrow ``x``, such as a LoRA factor, they are cast a slab of rows at a time, so an
+# fp16 adapter never gets a whole float32 copy and each cast slab is used while in cache), and the result comes in
+# ``out_dtype`` (default: the compute dtype).
 
 _SLAB_BYTES = 4 << 20
+_WIDE = 256          # a product this wide on the other side is compute-bound: cast the adapter whole
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` in ``b``'s dtype, ``a`` cast to it a slab of rows at a time."""
-    if a.dtype == b.dtype:
-        return torch.mm(a, b, out=out)
+    """``a @ b`` in ``b``'s dtype, ``a`` cast to it a slab of rows at a time when ``b`` is narrow."""
+    if a.dtype == b.dtype or b.shape[1] >= _WIDE:
+        return torch.mm(a.to(b.dtype), b, out=out)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=b.dtype, device=b.device)
     rows = max(1, _SLAB_BYTES // (a.shape[1] * b.element_size()))
@@ -46,10 +48,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 
 def _mm_right(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``x @ a`` in ``x``'s dtype, ``a`` cast to it a slab of rows at a time (the inner dimension split, so each slab is
-    read contiguously and used while in cache)."""
-    if a.dtype == x.dtype:
-        return torch.mm(x, a)
+    """``x @ a`` in ``x``'s dtype, ``a`` cast to it a slab of rows at a time when ``x`` is short (the inner dimension
+    split, so each slab is read contiguously and used while in cache)."""
+    if a.dtype == x.dtype or x.shape[0] >= _WIDE:
+        return torch.mm(x, a.to(x.dtype))
     rows = max(1, _SLAB_BYTES // (a.shape[1] * x.element_size()))
     out = torch.mm(x[:, :rows], a[:rows].to(x.dtype))
     for i in range(rows, a.shape[0], rows):

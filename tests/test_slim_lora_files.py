@@ -274,3 +274,21 @@ def test_embedded_adapters_are_ignored_by_comfyui_and_a1111_checkpoint_loaders(f
     loaded_unet, cfg, _ = slim.load_slim_unet(files / "slim.safetensors")
     assert cfg == CFG and sum(p.numel() for p in loaded_unet.parameters()) == sum(
         math.prod(shape) for k, (_, shape) in entries.items() if k.startswith(PREFIX))
+
+
+def test_diffusers_named_slim_checkpoint_takes_loras_too(files, tmp_path):
+    """A slim file with diffusers keys (from a diffusers folder) and float32 weights: LoRAs in slim space agree with
+    folding them in, up to float32 rounding."""
+    w = {k: v.float() for k, v in canonical_weights(seed=3).items()}
+    folder = tmp_path / "model" / "unet"
+    folder.mkdir(parents=True)
+    save_file_atomic({layout.canonical_to_diffusers_key(CFG, k): v for k, v in w.items()},
+                     folder / "diffusion_pytorch_model.safetensors", {"sdslim.unet_config": json.dumps(CFG.to_dict())})
+    ad, lo = files / "adapters.safetensors", files / "locon.safetensors"
+    slim.slim_checkpoint(tmp_path / "model", ad, tmp_path / "slim.safetensors")
+    slim.slim_checkpoint(tmp_path / "slim.safetensors", None, tmp_path / "after.safetensors", [(lo, 0.7)])
+    slim.slim_checkpoint(tmp_path / "model", ad, tmp_path / "ref.safetensors", [(lo, 0.7)])
+    got, ref, before = (load_file(tmp_path / f"{n}.safetensors")[0] for n in ("after", "ref", "slim"))
+    assert got.keys() == ref.keys() and "down_blocks.0.resnets.0.conv1.weight" in got
+    changed = [k for k in ref if not torch.equal(ref[k], before[k])]
+    assert changed and all(rel(got[k].double(), ref[k].double()) < 1e-5 for k in ref if ref[k].norm() > 0)

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import torch
 
 from . import layout
-from .safetensors_io import FileFormatError, load_file, read_header, save_file_atomic
+from .safetensors_io import FileFormatError, all_finite, load_file, read_header, save_file_atomic
 
 FORMAT = "sdslim-adapters"
 VERSION = 2                           # written only when a file needs it (``up_bias``); version 1 otherwise
@@ -105,6 +105,11 @@ class AdapterSet:
     def ranks(self) -> dict[str, int]:
         return {s: self.rank(s) for s in self.sites}
 
+    def widths(self) -> dict[str, int]:
+        """Site → full width (FF inner width m, ResBlock inner channels c); ``fold.slim_shapes(slim, widths)``
+        gives back the full-size shapes of a slim model."""
+        return {s: t["up"].shape[0] for s, t in self.sites.items()}
+
     def site_errors(self) -> dict[str, float]:
         """Per-site relative error recorded by the trainer (``sdslim.train``.site_error), if any."""
         return {k: float(v) for k, v in self.metadata.get("sdslim.train", {}).get("site_error", {}).items()}
@@ -139,8 +144,7 @@ class AdapterSet:
             for name, v in t.items():
                 if not torch.is_floating_point(v):
                     self._fail(f"{site}.{name}", f"dtype {v.dtype} is not floating point")
-                if _has_values(v) and not torch.isfinite(v).all():
-                    self._fail(f"{site}.{name}", "contains NaN or Inf")
+            self.check_values(site, t)
             if kind == "ff":
                 r, m = t["down_value"].shape if t["down_value"].ndim == 2 else (-1, -1)
                 expect = {"down_value": (r, m), "down_gate": (r, m), "up": (m, r)}
@@ -161,6 +165,12 @@ class AdapterSet:
         unknown = set(self.norm_groups) - set(self.sites)
         if unknown:
             self._fail("sdslim.norm_groups", f"names sites without adapters: {sorted(unknown)[:3]}")
+
+    def check_values(self, site: str, tensors: Mapping[str, torch.Tensor]):
+        """Raise AdapterError if a tensor of ``site`` holds NaN or Inf (tensors without values are skipped)."""
+        for name, v in tensors.items():
+            if _has_values(v) and not all_finite(v):
+                self._fail(f"{site}.{name}", "contains NaN or Inf")
 
     def check_model(self, weights_or_shapes: Mapping, family: str | None = None):
         """Raise AdapterError unless every site exists in the model with the adapter's widths."""
@@ -190,8 +200,14 @@ class AdapterSet:
         return save_file_atomic(tensors, path, meta)
 
     @classmethod
-    def load(cls, path) -> "AdapterSet":
-        tensors, meta = load_file(path)
+    def load(cls, path, lazy: bool = False) -> "AdapterSet":
+        """Read and validate an adapter file. ``lazy``: from the header alone, tensors on ``meta`` (shapes, groups
+        and metadata validated; read the values per site and pass them to :meth:`check_values`)."""
+        if lazy:
+            entries, meta = read_header(path)
+            tensors = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in entries.items()}
+        else:
+            tensors, meta = load_file(path)
         src = str(path)
 
         def need(key):
@@ -216,11 +232,17 @@ class AdapterSet:
             groups = json.loads(meta.get("sdslim.norm_groups", "{}"))
         except json.JSONDecodeError:
             raise AdapterError(f"{src}: sdslim.norm_groups is not JSON") from None
+        return cls.from_state_dict(need("sdslim.family"), tensors, groups, extra, source=src)
+
+    @classmethod
+    def from_state_dict(cls, family: str, tensors: Mapping[str, torch.Tensor], norm_groups: dict | None = None,
+                        metadata: dict | None = None, source: str = "<memory>") -> "AdapterSet":
+        """The validated inverse of :meth:`state_dict` (``<site>.<tensor>`` keys)."""
         sites: dict[str, dict] = {}
         for key, v in tensors.items():
-            site, name = _split_tensor_key(key, src)
+            site, name = _split_tensor_key(key, source)
             sites.setdefault(site, {})[name] = v
-        return cls(need("sdslim.family"), sites, groups, extra, source=src)
+        return cls(family, sites, norm_groups, metadata, source)
 
     # ------------------------------------------------------------- construction
     @classmethod

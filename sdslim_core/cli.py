@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "sdslim_core.breakdown_cli",
     "sdslim_core.train.cli",
     "sdslim_core.slim_cli",
+    "sdslim_core.lora_cli",
     "sdslim_core.evaluate_cli",
     "sdslim_core.vram.cli",
     "sdslim_core.demo",

@@ -5,10 +5,13 @@ FF site (GEGLU proj W_p = [W_v; W_g] ∈ R^{2m×d}, out W_o ∈ R^{d×m}; adapte
     (c ∈ R^m: the adapter's optional intercept ``up_bias``, the train-time y = W_o (U h + c) + b_o)
 Res site (conv1 W_1, emb W_e, conv2 W_2; adapter D ∈ R^{r×c}, GroupNorm' over r, U ∈ R^{c×r}):
     W'_1 = D×W_1, b'_1 = D b_1, W'_e = D W_e, b'_e = D b_e, norm2 := GroupNorm', W'_2 = W_2×U, b'_2 = b_2
-Folding is linear in W, so merging a LoRA into W first and folding afterwards is exact.
+Each layer's fold is one of three linear maps (:func:`map_rows`, :func:`map_geglu_rows`, :func:`map_cols`), so
+fold(W + ΔW) = fold(W) + map(ΔW): merging a LoRA first and folding afterwards is exact, and the same maps take a
+LoRA's factors into slim space (:mod:`sdslim_core.lora_slim`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -18,43 +21,136 @@ from .layout import FF_LAYERS, RES_LAYERS
 _LDM = RES_LAYERS["ldm"]
 
 
-def _compute_dtype(*tensors) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+def compute_dtype(*tensors) -> torch.dtype:
+    """float64 if any tensor is float64, else float32 (fp16/bf16/fp8 weights are folded in float32)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+# ------------------------------------------------------------------------------------- the three linear maps
+# Each map computes in ``compute_dtype(x, adapter)``; ``x`` may have any float dtype (it is cast on the way in), the
+# adapter tensors too (against a narrow ``x``, such as a LoRA factor, they are cast a slab of rows at a time, so an
+# fp16 adapter never gets a whole float32 copy and each cast slab is used while in cache), and the result comes in
+# ``out_dtype`` (default: the compute dtype).
+
+_SLAB_BYTES = 4 << 20
+_WIDE = 256          # a product this wide on the other side is compute-bound: cast the adapter whole
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` in ``b``'s dtype, ``a`` cast to it a slab of rows at a time when ``b`` is narrow."""
+    if a.dtype == b.dtype or b.shape[1] >= _WIDE:
+        return torch.mm(a.to(b.dtype), b, out=out)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=b.dtype, device=b.device)
+    rows = max(1, _SLAB_BYTES // (a.shape[1] * b.element_size()))
+    for i in range(0, a.shape[0], rows):
+        torch.mm(a[i:i + rows].to(b.dtype), b, out=out[i:i + rows])
+    return out
+
+
+def _mm_right(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x @ a`` in ``x``'s dtype, ``a`` cast to it a slab of rows at a time when ``x`` is short (the inner dimension
+    split, so each slab is read contiguously and used while in cache)."""
+    if a.dtype == x.dtype or x.shape[0] >= _WIDE:
+        return torch.mm(x, a.to(x.dtype))
+    rows = max(1, _SLAB_BYTES // (a.shape[1] * x.element_size()))
+    out = torch.mm(x[:, :rows], a[:rows].to(x.dtype))
+    for i in range(rows, a.shape[0], rows):
+        out.addmm_(x[:, i:i + rows], a[i:i + rows].to(x.dtype))
+    return out
+
+
+def map_rows(x: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """D·X on the first axis: [c, …] → [r, …] (conv1/emb weights and biases, a LoRA's up factor there)."""
+    dt = compute_dtype(x, down)
+    y = _mm(down, x.reshape(x.shape[0], -1).to(dt))
+    return y.to(out_dtype or dt).reshape((down.shape[0],) + tuple(x.shape[1:]))
+
+
+def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.Tensor,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """blockdiag(A_v, A_g)·X: [2m, …] → [2r, …], value rows first (GEGLU proj weight and bias, a LoRA's up factor
+    there); both halves are written straight into one output buffer."""
+    r, m = down_value.shape
+    dt = compute_dtype(x, down_value)
+    flat = x.reshape(x.shape[0], -1).to(dt)
+    out = torch.empty((2 * r, flat.shape[1]), dtype=dt, device=flat.device)
+    _mm(down_value, flat[:m], out=out[:r])
+    _mm(down_gate, flat[m:], out=out[r:])
+    return out.to(out_dtype or dt).reshape((2 * r,) + tuple(x.shape[1:]))
+
+
+def map_cols(x: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """X×U on the second axis: [o, c, …] → [o, r, …] (net.2 and conv2 weights, a LoRA's down factor there).
+
+    A kernel is contracted as one matrix product over (o, kernel position) rows rather than an einsum; the
+    transposes in and out are single copies that also cast."""
+    o, c = x.shape[:2]
+    dt = compute_dtype(x, up)
+    out_dtype = out_dtype or dt
+    k, r = math.prod(x.shape[2:]), up.shape[1]
+    if k == 1:
+        return _mm_right(x.reshape(o, c).to(dt), up).to(out_dtype).reshape((o, r) + tuple(x.shape[2:]))
+    rows = torch.empty((o, k, c), dtype=dt, device=x.device)
+    rows.copy_(x.reshape(o, c, k).transpose(1, 2))
+    y = _mm_right(rows.view(o * k, c), up)                             # [(o, kernel), r]
+    out = torch.empty((o, r, k), dtype=out_dtype, device=x.device)     # contiguous: conv2d's fast path
+    out.copy_(y.view(o, k, r).transpose(1, 2))
+    return out.view((o, r) + tuple(x.shape[2:]))
+
+
+def map_layer(role: str, x: torch.Tensor, adapter: Mapping[str, torch.Tensor], bias: bool = False,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The fold of one layer of a site applied to ``x`` (its weight, bias or any delta of them).
+
+    ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors (any float
+    dtype). The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
+    """
+    if role == "proj":
+        return map_geglu_rows(x, adapter["down_value"], adapter["down_gate"], out_dtype)
+    if role in ("conv1", "emb"):
+        return map_rows(x, adapter["down"], out_dtype)
+    if role in ("out", "conv2"):
+        return x.to(out_dtype or x.dtype) if bias else map_cols(x, adapter["up"], out_dtype)
+    raise ValueError(f"layer role {role!r} has no fold map")
+
+
+def layer_roles(site: str, kind: str) -> dict[str, str]:
+    """Canonical module path → role for the layers a site's fold changes (norm2 included, as ``norm2``)."""
+    if kind == "ff":
+        return {f"{site}.{FF_LAYERS['proj']}": "proj", f"{site}.{FF_LAYERS['out']}": "out"}
+    return {f"{site}.{_LDM[role]}": role for role in ("conv1", "emb", "norm2", "conv2")}
+
+
+# ---------------------------------------------------------------------------------------------- the fold
+
+def out_bias_shift(w_o: torch.Tensor, up_bias: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W_o·c: what the FF intercept ``up_bias`` adds to the ``net.2`` bias (linear in W_o, so a LoRA delta ΔW_o of
+    net.2 adds ΔW_o·c to the slim bias)."""
+    dt = compute_dtype(w_o, up_bias)
+    return (w_o.to(dt) @ up_bias.to(dt)).to(out_dtype or dt)
 
 
 def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up, up_bias=None):
     """Return (W'_p, b'_p, W'_o, b'_o) in the dtype of ``w_p``, computed in at least float32."""
-    dt = _compute_dtype(w_p, down_value)
-    m = w_o.shape[1]
-    w_v, w_g = w_p.to(dt)[:m], w_p.to(dt)[m:]
-    a_v, a_g = down_value.to(dt), down_gate.to(dt)
-    new_wp = torch.cat([a_v @ w_v, a_g @ w_g])
-    new_bp = None if b_p is None else torch.cat([a_v @ b_p.to(dt)[:m], a_g @ b_p.to(dt)[m:]])
-    new_wo = w_o.to(dt) @ up.to(dt)
-    out = w_p.dtype
+    out, t = w_p.dtype, {"down_value": down_value, "down_gate": down_gate, "up": up}
     if up_bias is None:
         new_bo = None if b_o is None else b_o.clone()
     else:
-        shift = w_o.to(dt) @ up_bias.to(dt)
-        new_bo = (shift if b_o is None else b_o.to(dt) + shift).to(out)
-    return new_wp.to(out), None if new_bp is None else new_bp.to(out), new_wo.to(out), new_bo
+        shift = out_bias_shift(w_o, up_bias)
+        new_bo = (shift if b_o is None else b_o.to(shift.dtype) + shift).to(out)
+    return (map_layer("proj", w_p, t, out_dtype=out),
+            None if b_p is None else map_layer("proj", b_p, t, bias=True, out_dtype=out),
+            map_layer("out", w_o, t, out_dtype=out), new_bo)
 
 
 def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
     """Return (W'_1, b'_1, W'_e, b'_e, W'_2, b'_2); ``w_e`` may be None (no time embedding)."""
-    dt = _compute_dtype(w_1, down)
-    d, u = down.to(dt), up.to(dt)
-    new_w1 = torch.einsum("rc,cikl->rikl", d, w_1.to(dt))
-    new_b1 = None if b_1 is None else d @ b_1.to(dt)
-    new_we = None if w_e is None else d @ w_e.to(dt)
-    new_be = None if b_e is None else d @ b_e.to(dt)
-    new_w2 = torch.einsum("ocij,cr->orij", w_2.to(dt), u)
-    out = w_1.dtype
-
-    def cast(t):   # contiguous: einsum may return permuted strides, which send conv2d down another kernel path
-        return None if t is None else t.to(out).contiguous()
-    return (cast(new_w1), cast(new_b1), cast(new_we), cast(new_be), cast(new_w2),
-            None if b_2 is None else b_2.clone())
+    out, t = w_1.dtype, {"down": down, "up": up}
+    new = [None if x is None else map_layer(role, x, t, bias=bias, out_dtype=out)
+           for role, x, bias in (("conv1", w_1, False), ("conv1", b_1, True), ("emb", w_e, False),
+                                 ("emb", b_e, True), ("conv2", w_2, False))]
+    return (*new, None if b_2 is None else b_2.clone())
 
 
 def fold_site(site: str, kind: str, get: Callable[[str], torch.Tensor | None], tensors: Mapping) -> dict:

@@ -12,6 +12,8 @@ import re
 from typing import Iterable, Mapping
 
 FAMILIES = ("sd15", "sd2", "sdxl")
+SDSLIM_TENSORS = "sdslim."   # namespace of tensors sdslim stores beside a UNet (a slim checkpoint's adapters)
+UNET_TOP_MODULES = ("input_blocks", "middle_block", "output_blocks", "time_embed", "label_emb", "out")
 LDM_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 DIFFUSERS_PREFIXES = ("unet.",)
 
@@ -287,10 +289,14 @@ def _structure_from_diffusers(keys: list[str]) -> UNetConfig:
 def to_canonical(state_dict: Mapping, metadata: Mapping | None = None) -> tuple[dict, str, str]:
     """Return (canonical dict with the same values, naming, prefix) for any supported UNet naming.
 
-    Keys outside the UNet (text encoder, VAE) are left out; the values are not copied.
+    Keys outside the UNet (text encoder, VAE, sdslim's own ``sdslim.`` tensors; for bare LDM keys, anything outside
+    the UNet's top-level modules) are left out; the values are not copied.
     """
     prefix, naming = strip_prefix(state_dict.keys())
-    unet = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    bare_ldm = naming == "ldm" and not prefix
+    unet = {k[len(prefix):]: v for k, v in state_dict.items()
+            if k.startswith(prefix) and not k.startswith(SDSLIM_TENSORS)
+            and (not bare_ldm or k.split(".", 1)[0] in UNET_TOP_MODULES)}
     if naming == "ldm":
         return unet, naming, prefix
     structure = _structure_from_diffusers(list(unet))

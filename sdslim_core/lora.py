@@ -33,7 +33,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from . import layout, optional
-from .safetensors_io import FileFormatError, LazyStateDict
+from .safetensors_io import FileFormatError, LazyStateDict, all_finite
 
 TE_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
                "text_encoders.", "lora_te.", "lora_te1.", "lora_te2.", "te.", "te1.", "te2.", "cond_stage_model.",
@@ -193,6 +193,15 @@ def _open_source(src) -> tuple[Mapping, dict, str, dict | None]:
     return lazy, dict(lazy.metadata), str(path), peft_cfg
 
 
+def text_encoder_part(src) -> tuple[dict, dict]:
+    """(text-encoder keys → tensors, file metadata) of a LoRA (path, folder or state dict), keys as written."""
+    tensors, metadata, name, _ = _open_source(src)
+    try:
+        return {k: tensors[k] for k in tensors.keys() if k.startswith(TE_PREFIXES)}, metadata
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise LoraError(f"{name}: cannot read its text-encoder tensors ({err})") from None
+
+
 def _family_hint(metadata: Mapping) -> str:
     for key in ("ss_base_model_version", "modelspec.architecture", "ss_sd_model_name"):
         if metadata.get(key):
@@ -327,7 +336,7 @@ def parse_lora(src, index: ModuleIndex, report: MergeReport | None = None, stren
                 raise LoraError(f"{name}: cannot read tensor {key!r} ({err})") from None
             if not torch.is_tensor(t) or not torch.is_floating_point(t):
                 raise LoraError(f"{name}: tensor {key!r} has dtype {getattr(t, 'dtype', type(t))}, expected floats")
-            if not torch.isfinite(t).all():
+            if not all_finite(t):
                 raise LoraError(f"{name}: tensor {key!r} contains NaN or Inf")
             values[role] = t
         if "alpha" in values and values["alpha"].numel() != 1:
@@ -522,36 +531,32 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class LoraMerger:
-    """Parsed and validated LoRAs, merged one canonical key at a time (for streaming through a checkpoint)."""
+    """Parsed and validated LoRAs, merged one canonical key at a time (for streaming through a checkpoint).
+
+    ``parsed`` keeps [(modules, strength)] per LoRA in order and ``plan`` maps each canonical key to its
+    [(module, strength, part)] entries (``part``: ``weight`` or ``bias``).
+    """
 
     def __init__(self, loras: Sequence, cfg: layout.UNetConfig, shapes: Mapping[str, Sequence[int]],
                  keys: set | None = None, fold_sites: Iterable[str] | None = None):
         self.report = MergeReport()
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
         index = ModuleIndex(cfg, self.shapes)
-        self.plan: dict[str, list] = {}          # canonical key → [(module, strength, part)]
+        self.plan: dict[str, list] = {}
+        self.parsed: list[tuple[list[LoraModule], float]] = []
         problems, hints = [], []
         for src, strength in loras:
             strength = float(strength)
             if not math.isfinite(strength):
                 raise LoraError(f"strength {strength} is not a finite number")
             mods = parse_lora(src, index, self.report, strength, keys)
+            fitting = []
             for mod in mods:
                 found = check_module(mod, self.shapes.get)
-                if found:
-                    problems.extend(f"{mod.source}: {p}" for p in found)
-                    continue
-                if strength == 0:
-                    continue
-                parts = ["weight"] if _delta_shape(mod) is not None else []
-                if any(r in mod.tensors for r in ("diff_b", "b_norm")):
-                    parts.append("bias")
-                for part in parts:
-                    key = f"{mod.target}.{part}"
-                    if keys is not None and key not in keys:
-                        continue
-                    self.plan.setdefault(key, []).append((mod, strength, part))
-                    self.report.merged.setdefault(key, []).append(mod.ref())
+                problems.extend(f"{mod.source}: {p}" for p in found)
+                if not found:
+                    fitting.append(mod)
+            self.parsed.append((fitting, strength))
             if self.report.loras and self.report.loras[-1].get("metadata_hint"):
                 hints.append(self.report.loras[-1]["source"] + ": " + self.report.loras[-1]["metadata_hint"])
         if problems:
@@ -559,29 +564,81 @@ class LoraMerger:
             hint = f"; LoRA metadata: {'; '.join(hints)}" if hints else ""
             raise LoraError("LoRA does not fit this model (made for another family, e.g. an SDXL LoRA on SD1.5?): "
                             + "; ".join(problems[:6]) + more + hint)
+        for mods, strength in self.parsed:
+            if strength == 0:
+                continue
+            for mod in mods:
+                for part in module_parts(mod):
+                    key = f"{mod.target}.{part}"
+                    if keys is not None and key not in keys:
+                        continue
+                    self.plan.setdefault(key, []).append((mod, strength, part))
+                    self.report.merged.setdefault(key, []).append(mod.ref())
         if fold_sites is not None:
             self.report.warnings.extend(fold_conflicts(self.report, fold_sites))
 
     def touched(self) -> set[str]:
         return set(self.plan)
 
-    def merge(self, key: str, base: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``base`` with every planned delta for ``key`` applied, in ``dtype`` (default: the compute dtype)."""
-        dt = dtype or compute_dtype(base.dtype)
-        w = base.to(dt, copy=True)
-        for mod, strength, part in self.plan.get(key, ()):
-            t = mod.tensors
-            if part == "bias":
-                w.add_(t["diff_b" if mod.kind == "diff" else "b_norm"].to(dt).reshape(w.shape), alpha=strength)
-            elif mod.kind == "lora" and "mid" not in t and mod.dora is None:
-                # plain LoRA/LoCon: W += s·(α/r)·up·down fused into one in-place matmul (no ΔW allocation)
-                w.view(w.shape[0], -1).addmm_(t["up"].to(dt).flatten(1), t["down"].to(dt).flatten(1),
-                                              alpha=strength * module_scale(mod))
-            elif mod.dora is not None:
-                w = _dora_merge(w, delta_weight(mod, w.shape, dt), mod.dora, strength, mod.dora_on_output(w.shape))
-            else:
-                w.add_(delta_weight(mod, w.shape, dt), alpha=strength)
-        return w
+    def merge(self, key: str, base: torch.Tensor, dtype: torch.dtype | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``base`` with every planned delta for ``key`` applied (see :func:`apply_deltas`)."""
+        return apply_deltas(base, self.plan.get(key, ()), dtype, out_dtype)
+
+
+def module_parts(mod: LoraModule) -> list[str]:
+    """The parts of its layer a module changes: ``weight`` and/or ``bias``."""
+    parts = ["weight"] if _delta_shape(mod) is not None else []
+    if any(r in mod.tensors for r in ("diff_b", "b_norm")):
+        parts.append("bias")
+    return parts
+
+
+_SLAB_BYTES = 8 << 20
+
+
+def _plain_lora(mod: LoraModule, part: str) -> bool:
+    return part == "weight" and mod.kind == "lora" and "mid" not in mod.tensors and mod.dora is None
+
+
+def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``base`` + each entry's delta, for entries (module, strength, part) of one tensor, computed in ``dtype``
+    (default: the compute dtype) and returned in ``out_dtype`` (default: ``out``'s dtype, else ``dtype``).
+
+    ``base`` is not modified unless it is ``out``: a tensor of its shape that receives the result (in place, with
+    no new allocation of the weight's size, when every entry is a plain LoRA). Plain LoRA/LoCon entries with an
+    ``out_dtype`` other than the compute dtype go a slab of rows at a time, so the compute-dtype copy of the weight
+    never exists whole (a cast slab stays in cache)."""
+    dt = dtype or compute_dtype(base.dtype)
+    out_dtype = out.dtype if out is not None else out_dtype or dt
+    entries = list(entries)
+    if out_dtype != dt and entries and all(_plain_lora(m, part) for m, _, part in entries):
+        factors = [(m.tensors["up"].to(dt).flatten(1), m.tensors["down"].to(dt).flatten(1), s * module_scale(m))
+                   for m, s, _ in entries]
+        flat = base.reshape(base.shape[0], -1)
+        dest = torch.empty(flat.shape, dtype=out_dtype, device=base.device) if out is None else out.view(flat.shape)
+        rows = max(1, _SLAB_BYTES // (flat.shape[1] * torch.finfo(dt).bits // 8))
+        for i in range(0, flat.shape[0], rows):
+            w = flat[i:i + rows].to(dt, copy=True)
+            for up, down, alpha in factors:       # W += s·(α/r)·up·down, one in-place matmul per LoRA
+                w.addmm_(up[i:i + rows], down, alpha=alpha)
+            dest[i:i + rows] = w
+        return dest.view(base.shape)
+    w = base.to(dt, copy=True)
+    for mod, strength, part in entries:
+        t = mod.tensors
+        if part == "bias":
+            w.add_(t["diff_b" if mod.kind == "diff" else "b_norm"].to(dt).reshape(w.shape), alpha=strength)
+        elif _plain_lora(mod, part):
+            # plain LoRA/LoCon: W += s·(α/r)·up·down fused into one in-place matmul (no ΔW allocation)
+            w.view(w.shape[0], -1).addmm_(t["up"].to(dt).flatten(1), t["down"].to(dt).flatten(1),
+                                          alpha=strength * module_scale(mod))
+        elif mod.dora is not None:
+            w = _dora_merge(w, delta_weight(mod, w.shape, dt), mod.dora, strength, mod.dora_on_output(w.shape))
+        else:
+            w.add_(delta_weight(mod, w.shape, dt), alpha=strength)
+    return w.to(out_dtype) if out is None else out.copy_(w)
 
 
 def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
@@ -591,14 +648,14 @@ def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
     """
     names = fold_sites.sites if hasattr(fold_sites, "sites") else fold_sites
     norm2 = {f"{s}.{layout.RES_LAYERS['ldm']['norm2']}" for s in names if layout.site_kind(s) == "res"}
-    out = []
-    for key, refs in report.merged.items():
-        module = key.rsplit(".", 1)[0]
-        if module in norm2:
-            out.append(f"{', '.join(refs)} changes {key} (norm2 of the slimmed ResBlock "
-                       f"{module[:-len('.out_layers.0')]}); the fold replaces that layer, so this part of the LoRA "
-                       "is lost")
-    return out
+    return [norm2_lost(key, refs) for key, refs in report.merged.items() if key.rsplit(".", 1)[0] in norm2]
+
+
+def norm2_lost(key: str, refs: Sequence[str]) -> str:
+    """The warning for LoRA modules ``refs`` whose delta on ``key`` (a slimmed ResBlock's norm2) cannot survive."""
+    module = key.rsplit(".", 1)[0]
+    return (f"{', '.join(refs)} changes {key} (norm2 of the slimmed ResBlock {module[:-len('.out_layers.0')]}); "
+            "the fold replaces that layer, so this part of the LoRA is lost")
 
 
 def _shape_getter(weights: Mapping):
@@ -624,7 +681,7 @@ def merge_loras(weights_canonical: Mapping, loras: Sequence, cfg: layout.UNetCon
     out = {}
     for key in merger.plan:
         base = weights_canonical[key]
-        out[key] = merger.merge(key, base).to(base.dtype)
+        out[key] = merger.merge(key, base, out_dtype=base.dtype)
     return out, merger.report
 
 

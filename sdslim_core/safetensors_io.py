@@ -126,3 +126,8 @@ def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mappin
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a float tensor holds no NaN/Inf: amax/amin propagate NaN, so two reductions and no boolean copy."""
+    return not t.numel() or bool(torch.isfinite(t.amax()) and torch.isfinite(t.amin()))

@@ -5,6 +5,9 @@ tensor is produced and written in turn (a site's few tensors are merged and fold
 memory is one site's tensors rather than a second model. Keys outside the UNet (text encoder, VAE) are copied
 through unchanged; the output keeps the input's key names, dtypes and metadata, with slim shapes and
 ``sdslim.*`` metadata (``sdslim.slim``=``1``, family, norm groups, ranks, UNet config, adapter and LoRA origin).
+The folded sites' adapter tensors are embedded under ``sdslim.adapters.`` (a namespace that ComfyUI's and A1111's
+checkpoint loaders leave unused), so LoRAs can be applied to the slim checkpoint later, in slim space
+(:func:`apply_loras_to_slim`), with no adapter file and no re-fold.
 """
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ from torch import nn
 
 from . import fold, layout
 from .adapters import AdapterSet, norm_groups_for
-from .lora import LoraMerger, MergeReport
+from .lora import LoraMerger, MergeReport, apply_deltas
+from .lora_slim import SlimSpace
 from .safetensors_io import FileFormatError, LazyStateDict, file_sha256, read_header
 from .unet import UNET_CONFIG_KEY, open_checkpoint
 
 SLIM_KEY = "sdslim.slim"
+ADAPTER_PREFIX = layout.SDSLIM_TENSORS + "adapters."   # embedded adapter tensors: ADAPTER_PREFIX + "<site>.<tensor>"
+ADAPTER_KEY = "sdslim.adapter_tensors"                # metadata: the prefix, present when the adapters are embedded
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                 torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                 torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -102,19 +108,32 @@ class _Reader:
         return self.lazy[key]
 
 
+def _site_reader(path, aset: AdapterSet, prefix: str = ""):
+    """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf."""
+    reader = _Reader(path)
+
+    checked: set[str] = set()
+
+    def read(site):
+        tensors = {n: reader[f"{prefix}{site}.{n}"] for n in aset.sites[site]}
+        if site not in checked:
+            aset.check_values(site, tensors)
+            checked.add(site)
+        return tensors
+    return read
+
+
 def _streamed_adapters(adapters, select: float):
-    """(AdapterSet, site → tensors function). A file is validated whole, then its tensors are released and re-read
-    per site while folding (so the adapters never sit in memory next to the model)."""
+    """(AdapterSet, site → tensors function). A file is validated from its header (shapes, groups, metadata) and
+    each site's tensors are read, and checked, while folding (so the adapters never sit in memory next to the
+    model; a NaN found mid-way aborts the write, which leaves no file)."""
     if isinstance(adapters, AdapterSet):
         aset = adapters.select(select) if select < 1.0 else adapters
         return aset, lambda site: aset.sites[site]
-    aset = AdapterSet.load(adapters)                       # validates every tensor (finite, shapes, groups)
+    aset = AdapterSet.load(adapters, lazy=True)
     if select < 1.0:
         aset = aset.select(select)
-    aset.sites = {s: {n: torch.empty(v.shape, dtype=v.dtype, device="meta") for n, v in t.items()}
-                  for s, t in aset.sites.items()}          # shapes only from here on
-    reader = _Reader(adapters)
-    return aset, lambda site: {n: reader[f"{site}.{n}"] for n in aset.sites[site]}
+    return aset, _site_reader(adapters, aset)
 
 
 @dataclasses.dataclass
@@ -128,6 +147,8 @@ class SlimResult:
     seconds: float
     merge: MergeReport
     warnings: list
+    adapter_bytes: int = 0                 # adapter tensors embedded in the output
+    lora_forms: dict = dataclasses.field(default_factory=dict)   # slim-space application: form → module count
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -138,12 +159,8 @@ class SlimResult:
 
 def site_keys(site: str, kind: str, shapes: Mapping) -> list[str]:
     """The canonical keys a site's fold rewrites (those present in ``shapes``)."""
-    if kind == "ff":
-        layers = [layout.FF_LAYERS["proj"], layout.FF_LAYERS["out"]]
-    else:
-        ldm = layout.RES_LAYERS["ldm"]
-        layers = [ldm["conv1"], ldm["emb"], ldm["norm2"], ldm["conv2"]]
-    return [k for k in (f"{site}.{layer}.{p}" for layer in layers for p in ("weight", "bias")) if k in shapes]
+    return [k for k in (f"{module}.{p}" for module in fold.layer_roles(site, kind) for p in ("weight", "bias"))
+            if k in shapes]
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -169,33 +186,55 @@ def slim_metadata(cfg: layout.UNetConfig, aset: AdapterSet, adapters_origin: dic
     return meta
 
 
-def refuse_slim_input(ckpt):
-    """SlimError if ``ckpt`` is already a slim checkpoint (its shapes no longer describe the architecture)."""
+def is_slim_checkpoint(ckpt) -> bool:
+    """Whether ``ckpt`` is a ``.safetensors`` file marked ``sdslim.slim=1`` (read from its header only)."""
     path = Path(ckpt)
-    if path.is_file() and path.suffix.lower() == ".safetensors":
-        _, meta = read_header(path)
-        if meta.get(SLIM_KEY) == "1":
-            raise SlimError(f"{path}: already a slim checkpoint (sdslim.slim=1); use the original checkpoint")
+    return path.is_file() and path.suffix.lower() == ".safetensors" and read_header(path)[1].get(SLIM_KEY) == "1"
 
 
-def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1.0, device: str = "cpu",
-                    progress: Callable[[int, int, str], None] | None = None) -> SlimResult:
-    """Merge ``loras`` [(path, strength)] into ``ckpt``'s UNet, fold ``adapters`` and write ``out``.
-
-    ``ckpt``: an LDM/ComfyUI/diffusers single file or a diffusers folder; ``adapters``: a path or
-    :class:`AdapterSet`; ``select``: the fraction of sites to fold (lowest recorded error first). Everything is
-    validated before the first byte is written; the output appears atomically and never replaces the input.
-    """
-    t0 = time.perf_counter()
-    out = Path(out)
-    refuse_slim_input(ckpt)
-    src = open_checkpoint(ckpt)
-    if _same_file(src.path, out) or _same_file(Path(ckpt), out):
-        raise SlimError(f"--out {out} is the input checkpoint; write the slim checkpoint to a new file")
+def check_output_path(out: Path, *inputs, what: str = "the slim checkpoint"):
+    """SlimError unless ``out`` is a new ``.safetensors`` file name, distinct from every input path."""
+    for src in inputs:
+        if not isinstance(src, Mapping) and _same_file(Path(src), out):
+            raise SlimError(f"--out {out} is the input {src}; write {what} to a new file")
     if out.exists() and out.is_dir():
         raise SlimError(f"--out {out} is a folder; give a .safetensors file name")
     if out.suffix.lower() != ".safetensors":
-        raise SlimError(f"--out {out}: the slim checkpoint is written as .safetensors; use that suffix")
+        raise SlimError(f"--out {out}: {what} is written as .safetensors; use that suffix")
+
+
+def _lora_meta(loras, applied: str) -> list:
+    return [{"file": Path(str(p)).name if not isinstance(p, Mapping) else "<state dict>", "strength": float(s),
+             "applied": applied} for p, s in loras]
+
+
+def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1.0, device: str = "cpu",
+                    progress: Callable[[int, int, str], None] | None = None,
+                    embed_adapters: bool = True) -> SlimResult:
+    """Merge ``loras`` [(path, strength)] into ``ckpt``'s UNet, fold ``adapters`` and write ``out``.
+
+    ``ckpt``: an LDM/ComfyUI/diffusers single file or a diffusers folder; ``adapters``: a path or
+    :class:`AdapterSet`; ``select``: the fraction of sites to fold (lowest recorded error first);
+    ``embed_adapters``: store the folded sites' adapter tensors in ``out`` under :data:`ADAPTER_PREFIX` (so LoRAs can
+    be applied to it later without the adapter file); otherwise only the adapter file's sha256 is recorded.
+    An already-slim ``ckpt`` is passed to :func:`apply_loras_to_slim` (``adapters`` may then be None).
+    Everything is validated before the first byte is written; the output appears atomically and never replaces the
+    input.
+    """
+    if is_slim_checkpoint(ckpt):
+        if select != 1.0:
+            raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1); --select applies to folding, "
+                            "which needs the original checkpoint")
+        return apply_loras_to_slim(ckpt, out, loras, adapters=adapters, device=device)
+    if adapters is None:
+        raise SlimError(f"{ckpt}: not a slim checkpoint, so folding it needs --adapters")
+    t0 = time.perf_counter()
+    out = Path(out)
+    src = open_checkpoint(ckpt)
+    check_output_path(out, src.path, ckpt)
+    clash = [k for k in src.source if k.startswith(layout.SDSLIM_TENSORS)]
+    if clash:
+        raise SlimError(f"{src.path}: already holds sdslim tensors ({clash[0]}, …) but is not marked slim")
     aset, site_tensors = _streamed_adapters(adapters, select)
     cfg = src.config
     reader = _Reader(src.path)
@@ -211,21 +250,33 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         for k in site_keys(site, aset.kind(site), canon_shapes):
             owner[k] = site
     inverse = {f: k for k, f in mapping.items()}
-    entries = []
+    remaining = {site: 0 for site in aset.sites}      # UNet entries of each site not yet listed
+    for ckey, site in owner.items():
+        remaining[site] += 1
+    entries, embedded = [], {}                        # embedded: output key → (site, tensor name)
     for fkey, (dtype, shape) in src.source.entries.items():
         ckey = inverse.get(fkey)
         entries.append((fkey, dtype, tuple(slim[ckey]) if ckey is not None else tuple(shape)))
+        site = owner.get(ckey)
+        if site is not None:
+            remaining[site] -= 1
+            if embed_adapters and not remaining[site]:  # right after the site's own tensors: its adapters are read once
+                for name, v in aset.sites[site].items():
+                    embedded[f"{ADAPTER_PREFIX}{site}.{name}"] = (site, name)
+                    entries.append((f"{ADAPTER_PREFIX}{site}.{name}", v.dtype, tuple(v.shape)))
+    adapter_bytes = sum(math.prod(shape) * dtype.itemsize for key, dtype, shape in entries if key in embedded)
 
     origin = {"file": Path(aset.source).name if aset.source != "<memory>" else "<memory>",
               "sites": len(aset.sites), "select": select}
     if aset.source != "<memory>" and Path(aset.source).is_file():
         origin["sha256"] = file_sha256(aset.source)
-    lora_meta = [{"file": Path(str(p)).name if not isinstance(p, Mapping) else "<state dict>", "strength": float(s)}
-                 for p, s in loras]
     meta = dict(src.metadata)
-    meta.update(slim_metadata(cfg, aset, origin, lora_meta))
+    meta.update(slim_metadata(cfg, aset, origin, _lora_meta(loras, "before folding")))
+    if embed_adapters:
+        meta[ADAPTER_KEY] = ADAPTER_PREFIX
 
     pending: dict[str, torch.Tensor] = {}
+    site_cache: dict[str, dict] = {}                  # the site being folded: its adapter tensors (read once)
     done_sites: set[str] = set()
     dev = torch.device(device)
     touched = merger.touched()
@@ -239,7 +290,16 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         t = base(ckey)
         return (merger.merge(ckey, t) if ckey in touched else t).to(dev)
 
+    def adapter_tensors(site: str) -> dict:
+        if site not in site_cache:
+            site_cache.clear()
+            site_cache[site] = site_tensors(site)
+        return site_cache[site]
+
     def produce(fkey: str) -> torch.Tensor:
+        if fkey in embedded:
+            site, name = embedded[fkey]
+            return adapter_tensors(site)[name]
         ckey = inverse.get(fkey)
         if ckey is None:
             return reader[fkey]
@@ -248,7 +308,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
                 site = owner[ckey]
                 if site in done_sites:
                     raise SlimError(f"internal error: {ckey} requested twice")
-                tensors = {k: v.to(dev) for k, v in site_tensors(site).items()}
+                tensors = {k: v.to(dev) for k, v in adapter_tensors(site).items()}
                 folded = fold.fold_site(site, aset.kind(site), merged_or_base, tensors)
                 for k, v in folded.items():
                     pending[k] = v.to("cpu", src.source.entries[mapping[k]][0])
@@ -257,13 +317,133 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
                     progress(len(done_sites), len(aset.sites), site)
             return pending.pop(ckey)
         t = base(ckey)
-        return merger.merge(ckey, t).to(t.dtype) if ckey in touched else t
+        return merger.merge(ckey, t, out_dtype=t.dtype) if ckey in touched else t
 
     write_safetensors_streaming(out, entries, produce, meta)
     before = sum(math.prod(s) for s in canon_shapes.values())
     after = sum(math.prod(slim[k]) for k in canon_shapes)
     return SlimResult(out, cfg.family, len(aset.sites), before, after, out.stat().st_size,
-                      time.perf_counter() - t0, merger.report, warnings)
+                      time.perf_counter() - t0, merger.report, warnings, adapter_bytes)
+
+
+# ------------------------------------------------------------------------------ LoRAs on a slim checkpoint
+
+def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict]]:
+    """(AdapterSet on ``meta``, site → tensors) of the adapters a slim checkpoint was folded with.
+
+    They come from the tensors embedded in the file; without them, from ``adapters`` (the adapter file), which must
+    have the sha256 the checkpoint records. Given both, the hash is still checked.
+    """
+    lazy, _, _, _, cfg, meta = _read_slim(path)
+    origin = meta.get("sdslim.adapters") or {}
+    ranks = meta.get("sdslim.ranks") or {}
+    if adapters is not None:
+        if isinstance(adapters, AdapterSet):
+            raise SlimError("pass the adapter file's path, so its sha256 can be checked against the slim checkpoint")
+        want, have = origin.get("sha256"), file_sha256(adapters)
+        if want is None:
+            raise SlimError(f"{path}: records no sha256 of its adapter file, so {adapters} cannot be checked")
+        if want != have:
+            raise SlimError(f"{adapters}: sha256 {have[:12]}… is not the adapter file {path} was folded with "
+                            f"({origin.get('file')}, sha256 {want[:12]}…)")
+    prefix = meta.get(ADAPTER_KEY)
+    if prefix:
+        tensors = {k[len(prefix):]: torch.empty(shape, dtype=dtype, device="meta")
+                   for k, (dtype, shape) in lazy.entries.items() if k.startswith(prefix)}
+        aset = AdapterSet.from_state_dict(meta["sdslim.family"], tensors, meta.get("sdslim.norm_groups"),
+                                          source=f"{path} (embedded adapters)")
+        read_from = path
+    elif adapters is not None:
+        full = AdapterSet.load(adapters, lazy=True)
+        missing = sorted(set(ranks) - set(full.sites))
+        if missing:
+            raise SlimError(f"{adapters}: lacks sites {missing[:3]} that {path} folded")
+        aset = AdapterSet(full.family, {s: full.sites[s] for s in ranks},
+                          {s: g for s, g in full.norm_groups.items() if s in ranks}, full.metadata, full.source)
+        prefix, read_from = "", adapters
+    else:
+        raise SlimError(f"{path}: a slim checkpoint without embedded adapters (made with --no-embed-adapters); pass "
+                        f"--adapters with the adapter file it was folded with ({origin.get('file', '?')}"
+                        + (f", sha256 {origin['sha256'][:12]}…" if origin.get("sha256") else "") + ")")
+    if aset.ranks() != ranks:
+        raise SlimError(f"{aset.source}: adapter ranks do not match the ranks {path} records (sdslim.ranks)")
+    if aset.family != cfg.family:
+        raise SlimError(f"{aset.source}: adapters for {aset.family}, the checkpoint is {cfg.family}")
+    return aset, _site_reader(read_from, aset, prefix)
+
+
+@dataclasses.dataclass
+class SlimView:
+    """A slim checkpoint opened for LoRA work: its file, canonical key → file key, canonical slim shapes, full-size
+    config, sdslim metadata and the :class:`~sdslim_core.lora_slim.SlimSpace` of its adapters (read lazily)."""
+    file: LazyStateDict
+    file_keys: dict
+    shapes: dict
+    config: layout.UNetConfig
+    metadata: dict
+    space: SlimSpace
+
+
+def open_slim(path, adapters=None) -> SlimView:
+    """Open a slim checkpoint with its adapters (see :func:`slim_adapters`)."""
+    lazy, mapping, _, _, cfg, meta = _read_slim(path)
+    aset, site_tensors = slim_adapters(path, adapters)
+    shapes = {k: tuple(lazy.entries[f][1]) for k, f in mapping.items()}
+    return SlimView(lazy, mapping, shapes, cfg, meta, SlimSpace.for_slim(aset, shapes, site_tensors))
+
+
+def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str = "cpu") -> SlimResult:
+    """Apply ``loras`` [(path, strength)] to an already-slim checkpoint, in slim space, and write ``out``.
+
+    Each LoRA is parsed against the original model (``sdslim.unet_config`` and the adapter widths give its
+    shapes), converted with :class:`~sdslim_core.lora_slim.SlimSpace` one tensor at a time while streaming and added
+    to the slim weights: the same result as folding the original with the LoRA merged first (exact up to the
+    output dtype), without the original checkpoint or a re-fold. Forms that need the full-size weight (DoRA on a
+    folded layer) are refused before anything is written; norm2 deltas are dropped with a warning. Every other
+    tensor (embedded adapters included) is copied through; ``sdslim.loras`` gets the new LoRAs appended.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    check_output_path(out, ckpt)
+    if not loras:
+        raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1) and no --lora to apply; folding again "
+                        "needs the original checkpoint")
+    view = open_slim(ckpt, adapters)
+    lazy, space, cfg = view.file, view.space, view.config
+    merger = LoraMerger([(p, s) for p, s in loras], cfg, space.full_shapes, fold_sites=space.adapters)
+    forms: dict[str, int] = {}
+    for mods, _ in merger.parsed:                     # refusals (DoRA on a folded layer) before any byte is written
+        for mod in mods:
+            form = space.form(mod)
+            forms[form] = forms.get(form, 0) + 1
+    reader = _Reader(ckpt)
+    inverse = {f: k for k, f in view.file_keys.items()}
+    dev = torch.device(device)
+
+    def produce(fkey: str) -> torch.Tensor:
+        t = reader[fkey]
+        ckey = inverse.get(fkey)
+        if ckey not in merger.plan:
+            return t
+        entries = []
+        for mod, strength, part in merger.plan[ckey]:
+            new = space.convert(mod, (part,))
+            if new is not None:
+                entries.append((new, strength, part))
+        return apply_deltas(t.to(dev), entries, out_dtype=t.dtype).cpu()
+
+    new_meta = dict(lazy.metadata)
+    new_meta["sdslim.loras"] = json.dumps(list(view.metadata.get("sdslim.loras") or []) +
+                                          _lora_meta(loras, "in slim space"))
+    entries = [(k, dtype, tuple(shape)) for k, (dtype, shape) in lazy.entries.items()]
+    write_safetensors_streaming(out, entries, produce, new_meta)
+    before = sum(math.prod(s) for s in space.full_shapes.values())
+    after = sum(math.prod(s) for s in view.shapes.values())
+    embedded = view.metadata.get(ADAPTER_KEY)
+    adapter_bytes = sum(math.prod(s) * d.itemsize for k, (d, s) in lazy.entries.items()
+                        if embedded and k.startswith(embedded))
+    return SlimResult(out, cfg.family, len(space.adapters.sites), before, after, out.stat().st_size,
+                      time.perf_counter() - t0, merger.report, list(merger.report.warnings), adapter_bytes, forms)
 
 
 # ------------------------------------------------------------------------------------------------ loaders
@@ -281,7 +461,7 @@ def _read_slim(path) -> tuple[LazyStateDict, dict, str, str, layout.UNetConfig, 
     except (KeyError, TypeError, json.JSONDecodeError) as err:
         raise FileFormatError(f"{path}: slim checkpoint without a readable {UNET_CONFIG_KEY} ({err})") from None
     prefix, naming = layout.strip_prefix(lazy.keys())
-    keys = [k for k in lazy.keys() if k.startswith(prefix)]
+    keys = [k for k in lazy.keys() if k.startswith(prefix) and not k.startswith(layout.SDSLIM_TENSORS)]
     if naming == "ldm":
         if not prefix:
             keys = [k for k in keys if k.split(".", 1)[0] in

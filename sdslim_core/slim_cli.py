@@ -1,4 +1,5 @@
-"""`sdslim slim`: LoRAs merged into the full weights, adapters folded, a slim checkpoint written."""
+"""`sdslim slim`: LoRAs merged into the full weights and adapters folded into a slim checkpoint; or LoRAs applied,
+in slim space, to a checkpoint that is already slim."""
 from __future__ import annotations
 
 import json
@@ -18,10 +19,22 @@ def _progress(enabled: bool):
 
 def summary_text(result, loras) -> str:
     """The human-readable lines ``sdslim slim`` prints for a :class:`~sdslim_core.slim.SlimResult`."""
-    lines = [result.merge.summary()] if loras else [f"warning: {w}" for w in result.warnings]
+    mib = 2 ** 20
+    lines = [result.merge.summary()] if loras and not result.lora_forms else \
+        [f"warning: {w}" for w in result.warnings]
+    if result.lora_forms:
+        forms = ", ".join(f"{n} {f}" for f, n in sorted(result.lora_forms.items()))
+        lines.append(f"{result.family}: applied in slim space, no re-fold ({forms} LoRA modules); wrote {result.out} "
+                     f"({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s")
+        return "\n".join(line for line in lines if line)
     lines.append(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
                  f"{result.unet_params_after / 1e6:.1f}M parameters ({result.to_dict()['ratio']:.2f}x); wrote "
-                 f"{result.out} ({result.file_bytes / 2 ** 20:.1f} MiB) in {result.seconds:.1f} s")
+                 f"{result.out} ({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s")
+    if result.adapter_bytes:
+        lines.append(f"embedded adapters: {result.adapter_bytes / mib:.1f} MiB "
+                     f"(+{result.adapter_bytes / (result.file_bytes - result.adapter_bytes):.0%} over the file "
+                     "without them), so LoRAs can be applied to it later without the adapter file; "
+                     "--no-embed-adapters stores only the adapter file's sha256")
     return "\n".join(line for line in lines if line)
 
 
@@ -29,7 +42,8 @@ def run(args) -> int:
     from .slim import slim_checkpoint
     loras = [parse_lora_arg(x) for x in args.lora]
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
-                             progress=_progress(not args.json and sys.stderr.isatty()))
+                             progress=_progress(not args.json and sys.stderr.isatty()),
+                             embed_adapters=not args.no_embed_adapters)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -38,17 +52,26 @@ def run(args) -> int:
 
 
 def register(sub):
-    p = sub.add_parser("slim", help="merge LoRAs, fold adapters and write a slim checkpoint",
+    p = sub.add_parser("slim", help="fold adapters into a slim checkpoint (LoRAs merged first), or apply LoRAs to a "
+                                    "slim checkpoint",
                        description="Merge LoRAs into the full UNet weights, fold the sdslim adapters and write a "
                                    "slim .safetensors checkpoint (same key names, slim shapes; text encoder and VAE "
-                                   "copied through). The input is never modified.")
-    p.add_argument("--ckpt", required=True, help="LDM/ComfyUI single-file .safetensors or a diffusers UNet folder")
-    p.add_argument("--adapters", required=True, help="sdslim adapter file (.safetensors)")
+                                   "copied through; the adapters embedded under sdslim.adapters.). Given a slim "
+                                   "checkpoint, apply the LoRAs to it in slim space instead (exact, no re-fold, no "
+                                   "adapter file needed when they are embedded). The input is never modified.")
+    p.add_argument("--ckpt", required=True, help="LDM/ComfyUI single-file .safetensors or a diffusers UNet folder; "
+                                                 "or a slim checkpoint")
+    p.add_argument("--adapters", help="sdslim adapter file (.safetensors); needed to fold, optional for a slim "
+                                      "--ckpt (then checked against the sha256 the checkpoint records)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
-                   help="LoRA/LyCORIS/peft file merged before folding (repeatable; strength default 1.0)")
+                   help="LoRA/LyCORIS/peft file (repeatable; strength default 1.0): merged before folding, or "
+                        "applied in slim space to a slim --ckpt")
     p.add_argument("--out", required=True, help="output .safetensors (must differ from --ckpt)")
     p.add_argument("--select", type=float, default=1.0,
                    help="fraction of adapter sites to fold, lowest recorded error first (default 1.0: all)")
+    p.add_argument("--no-embed-adapters", action="store_true",
+                   help="do not store the adapter tensors in the slim checkpoint (smaller file; applying LoRAs to it "
+                        "later then needs --adapters)")
     p.add_argument("--device", default="cpu", help="device for the fold arithmetic (e.g. cuda); default cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)

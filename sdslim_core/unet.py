@@ -26,13 +26,9 @@ class CheckpointUNet:
     source: LazyStateDict
 
     def other_keys(self) -> list[str]:
-        """Keys of the file outside the UNet (text encoder, VAE, …), copied through unchanged by ``slim``."""
-        return [k for k in self.source if not k.startswith(self.prefix) or
-                (self.naming == "ldm" and not self.prefix and not _is_unet_key(k))]
-
-
-def _is_unet_key(key: str) -> bool:
-    return key.split(".", 1)[0] in {"input_blocks", "middle_block", "output_blocks", "time_embed", "label_emb", "out"}
+        """Keys of the file outside the UNet (text encoder, VAE, sdslim's own tensors …)."""
+        unet = set(self.weights.file_keys.values())
+        return [k for k in self.source if k not in unet]
 
 
 class _LazyCanonical(dict):

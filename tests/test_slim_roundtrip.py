@@ -123,8 +123,8 @@ def test_slim_of_base_plus_lora_equals_train_time_adapters_on_base_plus_lora(set
     plain = run_diffusers(load_diffusers_unet(setup["w"], CFG, dtype=torch.float64), x, t, ctx)
     assert rel(ref, plain) > 1e-3                       # LoRA and adapters really changed the model
     assert meta["sdslim.slim"] == 1 and meta["sdslim.family"] == "sd15"
-    assert meta["sdslim.loras"] == [{"file": "kohya.safetensors", "strength": 0.8},
-                                    {"file": "locon.safetensors", "strength": 0.5}]
+    assert meta["sdslim.loras"] == [{"file": "kohya.safetensors", "strength": 0.8, "applied": "before folding"},
+                                    {"file": "locon.safetensors", "strength": 0.5, "applied": "before folding"}]
 
 
 def test_loader_matches_build_slim_module_exactly(setup):
@@ -145,8 +145,12 @@ def test_loader_matches_build_slim_module_exactly(setup):
 def test_file_layout_keys_dtypes_metadata_and_passthrough(setup):
     entries, meta = read_header(setup["out"])
     src, _ = read_header(setup["ckpt"])
-    assert set(entries) == set(src)                                    # same key names
+    own = {k for k in entries if k.startswith(slim.ADAPTER_PREFIX)}
+    assert set(entries) - own == set(src)                              # same key names, plus the adapters
     assert all(entries[k][0] == src[k][0] for k in src)                # same dtypes
+    aset = setup["aset"]
+    assert own == {slim.ADAPTER_PREFIX + k for k in aset.state_dict()} and meta[slim.ADAPTER_KEY] == slim.ADAPTER_PREFIX
+    assert setup["result"].adapter_bytes == sum(v.numel() * v.element_size() for v in aset.state_dict().values())
     tensors, _ = load_file(setup["out"])
     for k, v in EXTRA.items():                                         # copied through unchanged
         assert torch.equal(tensors[k], v) and tensors[k].dtype == v.dtype
@@ -190,7 +194,9 @@ def test_refusals_write_nothing(setup, tmp_path):
     with pytest.raises(slim.SlimError, match="is the input"):
         slim.slim_checkpoint(setup["ckpt"], ad, setup["ckpt"])
     with pytest.raises(slim.SlimError, match="already a slim"):
-        slim.slim_checkpoint(setup["out"], ad, tmp_path / "again.safetensors")
+        slim.slim_checkpoint(setup["out"], None, tmp_path / "again.safetensors")       # slim, but no LoRA to apply
+    with pytest.raises(slim.SlimError, match="--select"):
+        slim.slim_checkpoint(setup["out"], None, tmp_path / "again.safetensors", select=0.5)
     with pytest.raises(slim.SlimError, match=".safetensors"):
         slim.slim_checkpoint(setup["ckpt"], ad, tmp_path / "x.ckpt")
     bad = tmp_path / "bad.safetensors"
@@ -231,7 +237,7 @@ def test_diffusers_folder_fp16_and_norm2_warning(tmp_path):
     assert any("norm2" in x and "lora_unet_down_blocks_0_resnets_0_norm2" in x for x in result.warnings)
     entries, _ = read_header(tmp_path / "slim.safetensors")
     assert "down_blocks.0.resnets.0.conv1.weight" in entries              # diffusers names kept
-    assert {d for d, _ in entries.values()} == {torch.float16}
+    assert {d for k, (d, _) in entries.items() if not k.startswith(slim.ADAPTER_PREFIX)} == {torch.float16}
     unet, cfg, _ = slim.load_slim_unet(tmp_path / "slim.safetensors", dtype=torch.float32)
     ref = swap.build_slim_module(__import__("sdslim_core.unet", fromlist=["x"]).load_diffusers_unet(w32, CFG), aset,
                                  {k: v.half().float() for k, v in fold.fold_state_dict(w32, aset).items()})

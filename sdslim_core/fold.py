@@ -60,6 +60,7 @@ def _mm_right(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
 def map_rows(x: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """D·X on the first axis: [c, …] → [r, …] (conv1/emb weights and biases, a LoRA's up factor there)."""
     dt = compute_dtype(x, down)
@@ -67,6 +68,7 @@ def map_rows(x: torch.Tensor, down: torch.Tensor, out_dtype: torch.dtype | None 
     return y.to(out_dtype or dt).reshape((down.shape[0],) + tuple(x.shape[1:]))
 
 
+@torch.no_grad()
 def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.Tensor,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """blockdiag(A_v, A_g)·X: [2m, …] → [2r, …], value rows first (GEGLU proj weight and bias, a LoRA's up factor
@@ -80,6 +82,7 @@ def map_geglu_rows(x: torch.Tensor, down_value: torch.Tensor, down_gate: torch.T
     return out.to(out_dtype or dt).reshape((2 * r,) + tuple(x.shape[1:]))
 
 
+@torch.no_grad()
 def map_cols(x: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """X×U on the second axis: [o, c, …] → [o, r, …] (net.2 and conv2 weights, a LoRA's down factor there).
 

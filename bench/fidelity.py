@@ -5,8 +5,8 @@ same seeds, same prompts, same LoRA and ControlNet.
         [--budgets init,demo,long] [--long-at half] [--out out/bench-fidelity] [--ablation]
 
 For each shipped teacher (``tiny``: base width 32; ``wide``: base width 64) and each target slim parameter ratio
-(``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks and budget-allocated ranks at equal
-parameters, training-free (``init``), after the demo's training budget (``demo``) and after a longer one (``long``,
+(``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks, ranks allocated at equal parameters and
+ranks allocated at uniform's forward FLOPs (``--budget-by flops``), training-free (``init``), after the demo's training budget (``demo``) and after a longer one (``long``,
 at ``--long-at`` targets only); the alternatives in the same table; slim stacked with fp8. CPU time is the training
 process's CPU seconds (calibration included). Columns: params ×, weight bytes (the format's own: fp16, fp8, GGUF
 blocks), UNet forward FLOPs ×, same-seed latent PSNR, image PSNR / SSIM, ε relative error (and CFG-guided),
@@ -93,9 +93,12 @@ class Teacher:
                  flops_ratio=fidelity.forward_flops(model, *self.flop_args) / self.flops, cpu_s=cpu_s)
         return r
 
-    def train(self, ratio: float, uniform: bool, budget: str, work: Path):
-        tc = TrainConfig(ratio=ratio, uniform=uniform, guidance=4.0, latent_size=self.pipe.latent_size, seed=0,
-                         work_dir=str(work), **BUDGETS[budget])
+    def train(self, ratio: float, mode: str, budget: str, work: Path):
+        """``mode``: ``uniform`` ranks, or ranks allocated at the ``params`` or the forward ``flops`` of uniform
+        ``ratio``."""
+        tc = TrainConfig(ratio=ratio, uniform=mode == "uniform", budget_by="flops" if mode == "flops" else "params",
+                         guidance=4.0, latent_size=self.pipe.latent_size, seed=0, work_dir=str(work),
+                         **BUDGETS[budget])
         t0 = time.process_time()
         res = train_adapters(self.pipe.unet, self.cfg, Calibration.from_prompts(self.calib_prompts,
                                                                                 self.pipe.encode_prompt),
@@ -244,16 +247,17 @@ def main():
             for budget in budgets:
                 if budget == "long" and target not in long_at:
                     continue
-                for uniform in ((True, False) if budget == "init" else (False,)):
-                    work = out / "work" / f"{name}-{target:.3f}-{budget}-{'u' if uniform else 'a'}"
-                    aset, cpu = t.train(ratio, uniform, budget, work)
+                for mode in (("uniform", "params", "flops") if budget == "init" else ("params",)):
+                    work = out / "work" / f"{name}-{target:.3f}-{budget}-{mode}"
+                    aset, cpu = t.train(ratio, mode, budget, work)
                     m, ml, w = t.candidates.slim(aset)
-                    label = f"slim {tag}, {'uniform' if uniform else 'allocated'} ranks, {budget}"
+                    label = f"slim {tag}, " + {"uniform": "uniform ranks", "params": "allocated ranks",
+                                               "flops": "ranks allocated at uniform's FLOPs"}[mode] + f", {budget}"
                     r = t.row(label, m, ml, w, None, cpu)
                     r["ranks"] = aset.ranks()
                     rows.append(r)
                     print(fmt_row(r), flush=True)
-                    if not uniform:
+                    if mode == "params":
                         best = (aset, cpu, budget)
                         if budget == "init" and target == half:
                             best_half = aset

@@ -21,7 +21,11 @@ def register(subparsers):
     p.add_argument("--ckpt", required=True, help="teacher checkpoint (.safetensors single file or diffusers folder)")
     p.add_argument("--out", required=True, help="adapter file to write (.safetensors)")
     r = p.add_argument_group("ranks (default: --ratio 0.5)")
-    r.add_argument("--ratio", type=float, help="uniform width fraction of every site, e.g. 0.5")
+    r.add_argument("--ratio", type=float, help="slim to the parameter count of uniform width fraction R (e.g. 0.5), "
+                                               "spent per site where measured error falls fastest")
+    r.add_argument("--uniform", action="store_true", help="with --ratio: every site at exactly that fraction")
+    r.add_argument("--budget-by", choices=("params", "flops"), help="with --ratio: hold the parameters (default) or "
+                                                                     "the forward FLOPs of uniform R fixed")
     r.add_argument("--ff-rank", type=int, help="rank of every FF site (capped at its width)")
     r.add_argument("--ff-ratio", type=float, help="width fraction of FF sites")
     r.add_argument("--res-ratio", type=float, help="width fraction of ResBlock sites")
@@ -52,7 +56,7 @@ def register(subparsers):
     c.add_argument("--calib-dtype", choices=("auto", "float32", "float16"),
                    help="storage dtype of captured activations (default: float16 on CUDA, else float32)")
     c.add_argument("--init-methods", help="comma-separated initialisations to measure per site (default "
-                                          "act_select,act_pca,weight_svd,select; 'random' adds the baseline)")
+                                          "obs,act_select,act_pca,weight_svd,select; 'random' adds the baseline)")
     o = p.add_argument_group("run")
     o.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (default: cuda when available)")
     o.add_argument("--seed", type=int, default=0)
@@ -159,6 +163,10 @@ def config_from_args(args, pipe=None, log=None):
         v = getattr(args, attr, None)
         if v is not None:
             kw[name] = v
+    if getattr(args, "uniform", False):
+        kw["uniform"] = True
+    if getattr(args, "budget_by", None):
+        kw["budget_by"] = args.budget_by
     if getattr(args, "init_methods", None):
         kw["init_methods"] = tuple(m.strip() for m in args.init_methods.split(",") if m.strip())
     if args.steps is not None:

@@ -6,7 +6,8 @@ import json
 import re
 
 # Only these fields change what a run computes; a --resume refuses a work dir made with other values.
-_RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform", "allocation", "alloc_inputs",
+_RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform", "budget_by", "allocation",
+               "alloc_inputs",
                "budget_bytes_per_param", "stage1_steps", "stage2_steps", "ff_batch_tokens", "res_batch",
                "stage2_batch", "lr1", "lr2", "p0", "p_full_at", "feature_loss", "guided_loss", "control_prob",
                "lora_prob", "lora_scale", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance",
@@ -31,6 +32,8 @@ class TrainConfig:
     budget: str | float | None = None      # "600M" (UNet params) or "1.2GB" (weight bytes)
     budget_bytes_per_param: int = 2        # fp16 weights, for a byte budget
     uniform: bool = False                  # --ratio R: every site at R instead of R's parameters allocated
+    budget_by: str = "params"              # what --ratio R's budget holds fixed while ranks are allocated: the
+                                           # parameters of uniform R ("params") or its forward FLOPs ("flops")
     allocation: str = "e2e"                # error a budget is spent on: "e2e" = whole-UNet eps error with the site
                                            # slimmed alone (held-out inputs), "site" = the site's own output error
     alloc_inputs: int = 32                 # held-out UNet inputs of each e2e measurement
@@ -94,6 +97,10 @@ class TrainConfig:
                              "--res-ratio")
         if self.uniform and (self.budget is not None or self.ratio is None):
             raise ValueError("--uniform applies to --ratio (a budget is always allocated)")
+        if self.budget_by not in ("params", "flops"):
+            raise ValueError(f"budget_by must be params or flops, got {self.budget_by!r}")
+        if self.budget_by == "flops" and (self.ratio is None or self.budget is not None):
+            raise ValueError("--budget-by flops holds the FLOPs of uniform --ratio fixed: give --ratio")
         if self.allocation not in ("e2e", "site"):
             raise ValueError(f"allocation must be e2e or site, got {self.allocation!r}")
         if self.ff_rank is not None and self.ff_ratio is not None:

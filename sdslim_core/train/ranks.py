@@ -57,20 +57,30 @@ def budget_params(tc: TrainConfig, site_list: Iterable[layout.Site] = (), shapes
     return slim_param_count(shapes, {s: r for s, r in ranks.items()})
 
 
+def uniform_total(site_list: Iterable[layout.Site], ratio: float, full: float, per_rank: Mapping[str, float]) -> float:
+    """A linear resource (e.g. FLOPs) of the slim UNet at uniform ``ratio``: the budget ``--budget-by flops`` uses."""
+    return full - sum(per_rank[s.name] * (s.width - r) for s in site_list
+                      for r in [adapters.rank_for_ratio(s.width, ratio, s.kind)] if s.name in per_rank)
+
+
 def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curves: Mapping[str, Mapping[int, float]],
-             budget: int) -> tuple[dict[str, int], dict]:
-    """Greedy allocation under a whole-UNet parameter budget, minimising the sum of the sites' costs.
+             budget: int, per_rank: Mapping[str, float] | None = None, full: float | None = None,
+             unit: str = "params") -> tuple[dict[str, int], dict]:
+    """Greedy allocation under a whole-UNet budget of parameters (default) or of another resource that is linear in
+    the ranks (``per_rank``: its amount per unit of rank at each site, ``full``: the original model's total, e.g.
+    forward FLOPs), minimising the sum of the sites' costs.
 
     ``curves[site][rank]`` is the measured cost of slimming ``site`` to ``rank`` (e.g. the squared whole-UNet
     error with that site slimmed alone, which adds up across sites; rank = width costs 0). Every site starts at
     its smallest candidate rank; then, while the total stays within ``budget``, the move (a site to any larger
-    candidate rank) with the largest cost reduction per added parameter is taken (moves past flat stretches of a
+    candidate rank) with the largest cost reduction per added unit of budget is taken (moves past flat stretches of a
     curve included, so a plateau does not hide the gain behind it). Sites that end at full width are left out (not
     slimmed). Returns (ranks, info).
     """
     site_list = [s for s in site_list if s.name in curves]
-    full = _count(shapes)
-    per_rank = {s.name: params_per_rank(shapes, s) for s in site_list}
+    if per_rank is None:
+        full = _count(shapes)
+        per_rank = {s.name: params_per_rank(shapes, s) for s in site_list}
     ladder, cost = {}, {}
     for s in site_list:
         ladder[s.name] = sorted(int(r) for r in curves[s.name] if int(r) < s.width) + [s.width]
@@ -79,7 +89,7 @@ def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curv
     total = full - sum(per_rank[n] * (ladder[n][-1] - ladder[n][0]) for n in ladder)
     floor = total
     if floor > budget:
-        raise ValueError(f"budget {budget / 1e6:.1f}M parameters is below the smallest slim UNet this rank grid can "
+        raise ValueError(f"budget {budget / 1e6:.1f}M {unit} is below the smallest slim UNet this rank grid can "
                          f"make ({floor / 1e6:.1f}M; the original has {full / 1e6:.1f}M)")
     while True:
         best, best_gain = None, 0.0
@@ -98,6 +108,8 @@ def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curv
         total += per_rank[n] * (ladder[n][j] - ladder[n][pos[n]])
         pos[n] = j
     ranks = {n: ladder[n][pos[n]] for n in pos if ladder[n][pos[n]] < ladder[n][-1]}
-    info = {"budget_params": budget, "slim_params": total, "original_params": full, "min_params": floor,
-            "predicted_cost_sum": sum(cost[n][ladder[n][pos[n]]] for n in pos)}
+    info = {"unit": unit, f"budget_{unit}": budget, f"slim_{unit}": total, f"original_{unit}": full,
+            f"min_{unit}": floor, "predicted_cost_sum": sum(cost[n][ladder[n][pos[n]]] for n in pos)}
+    if unit != "params":
+        info["slim_params"] = slim_param_count(shapes, ranks)
     return ranks, info

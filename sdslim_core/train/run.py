@@ -426,12 +426,20 @@ class Run:
         self.progress.end_stage()
         self.release_teacher()
         curves = self.gather(local)
-        budget = ranks_mod.budget_params(tc, self.site_list, self.shapes)
-        ranks, info = ranks_mod.allocate(self.site_list, self.shapes, curves, budget)
+        if tc.budget_by == "flops":
+            full, per_rank = sensitivity.flops_per_rank(self.teacher_on_device(), self.cfg, self.site_list, self.bank,
+                                                        self.device, self.compute_dtype, self.amp)
+            self.release_teacher()
+            budget = ranks_mod.uniform_total(self.site_list, tc.ratio, full, per_rank)
+            ranks, info = ranks_mod.allocate(self.site_list, self.shapes, curves, budget, per_rank, full, "flops")
+        else:
+            budget = ranks_mod.budget_params(tc, self.site_list, self.shapes)
+            ranks, info = ranks_mod.allocate(self.site_list, self.shapes, curves, budget)
+        unit = info["unit"]
         info.update(allocation=tc.allocation, method=method,
                     curves={s: {str(r): e for r, e in c.items()} for s, c in curves.items()})
-        what = f"budget {tc.budget}" if tc.budget is not None else f"the parameters of uniform ratio {tc.ratio}"
-        self.say(f"{what}: {info['slim_params'] / 1e6:.2f}M of {budget / 1e6:.2f}M parameters used, "
+        what = f"budget {tc.budget}" if tc.budget is not None else f"the {unit} of uniform ratio {tc.ratio}"
+        self.say(f"{what}: {info[f'slim_{unit}'] / 1e6:.2f}M of {budget / 1e6:.2f}M {unit} used, "
                  f"{len(ranks)} sites slimmed (allocated by {tc.allocation} error)")
         return ranks, info
 

@@ -39,3 +39,20 @@ def e2e_error(teacher, aset: AdapterSet, bank: InputBank, ids: torch.Tensor, dev
         num += float((out - ref).pow(2).sum())
         den += float(ref.pow(2).sum())
     return (num / max(den, 1e-30)) ** 0.5
+
+
+@torch.no_grad()
+def flops_per_rank(teacher, cfg, site_list, bank: InputBank, device, dtype, amp) -> tuple[int, dict[str, float]]:
+    """(forward FLOPs of the whole UNet, {site: FLOPs per unit of rank}) on one bank input, as torch counts them
+    (matmuls and convolutions): each layer the fold shrinks costs in proportion to the rank it keeps."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter, amp():
+        unet_call(teacher, bank.batch(bank.fit_ids()[:1], device, dtype))
+    by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    root = type(teacher).__name__                       # FlopCounterMode names modules "<root class>.<path>"
+    out = {}
+    for s in site_list:
+        paths = swap.layer_paths(teacher, s.name, s.kind, cfg)
+        layers = sum(by_module.get(f"{root}.{p}", 0) for role, p in paths.items() if role != "norm2")
+        out[s.name] = layers / s.width
+    return int(counter.get_total_flops()), out

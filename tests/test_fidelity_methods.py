@@ -139,9 +139,9 @@ def tiny_runs(tmp_path_factory):
     prompts = ["a red circle on a blue background", "a green square on a yellow background",
                "a blue triangle on a white background", "a white cross on a black background"]
     out = {"pipe": pipe}
-    for name, uniform in (("uniform", True), ("allocated", False)):
+    for name, uniform, by in (("uniform", True, "params"), ("allocated", False, "params"), ("flops", False, "flops")):
         work = tmp_path_factory.mktemp(name)
-        tc = TrainConfig(ratio=0.5, uniform=uniform, guidance=4.0, latent_size=pipe.latent_size, n_trajectories=6,
+        tc = TrainConfig(ratio=0.5, uniform=uniform, budget_by=by, guidance=4.0, latent_size=pipe.latent_size, n_trajectories=6,
                          sample_steps=8, ff_tokens=4096, res_maps=32, rank_grid=(0.25, 0.5, 0.75), stage1_steps=0,
                          stage2_steps=0, alloc_inputs=16, work_dir=str(work / "w"))
         out[name] = train_adapters(pipe.unet, pipe.checkpoint.config, Calibration.from_prompts(prompts,
@@ -162,6 +162,21 @@ def test_new_init_has_lower_held_out_error_than_v01_act_select(tiny_runs):
     for kind, pairs in by_kind.items():
         obs, old = (sum(p[i] for p in pairs) / len(pairs) for i in (0, 1))
         assert obs < old, (kind, obs, old)
+
+
+def test_flops_allocation_keeps_uniforms_flops_and_beats_its_error(tiny_runs):
+    from sdslim_core import fold as fold_mod
+    pipe = tiny_runs["pipe"]
+    weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
+    x, t, ctx = torch.randn(1, 4, 8, 8), torch.tensor([500.0]), pipe.encode_prompt(["a red circle on a blue background"])
+
+    def flops(aset):
+        slim = swap.build_slim_module(pipe.unet, aset, fold_mod.fold_state_dict(weights, aset))
+        return fidelity.forward_flops(slim, x, t, encoder_hidden_states=ctx)
+    u, f = tiny_runs["uniform"], tiny_runs["flops"]
+    assert f.report.budget["unit"] == "flops" and f.report.budget["slim_flops"] <= f.report.budget["budget_flops"]
+    assert flops(f.adapters) <= flops(u.adapters) * 1.001
+    assert f.report.unet_error["init"] < u.report.unet_error["init"]
 
 
 def test_allocated_ranks_beat_uniform_at_equal_parameters(tiny_runs):

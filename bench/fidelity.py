@@ -61,7 +61,7 @@ def uniform_ratio_for(shapes: dict, target: float) -> float:
 class Teacher:
     """One shipped teacher with everything the ladder compares on."""
 
-    def __init__(self, name: str, n_images: int = 6, seed: int = 0):
+    def __init__(self, name: str, n_images: int = 12, seed: int = 0):
         self.name = name
         assets = tiny.TEACHERS[name]
         self.pipe = tiny.load_tiny_pipeline(assets.model)
@@ -102,7 +102,7 @@ class Teacher:
         t0 = time.process_time()
         res = train_adapters(self.pipe.unet, self.cfg, Calibration.from_prompts(self.calib_prompts,
                                                                                 self.pipe.encode_prompt),
-                             tc, work.with_suffix(".safetensors"))
+                             tc, work / "adapters.safetensors")
         return res.adapters, time.process_time() - t0
 
 
@@ -114,7 +114,7 @@ def ablation(t: Teacher, ratio: float, work: Path) -> dict:
                      work_dir=str(work), **BUDGETS["init"])
     weights, cfg = teacher_weights(t.pipe.unet, t.cfg)
     run = Run(weights, cfg, tc, Calibration.from_prompts(t.calib_prompts, t.pipe.encode_prompt),
-              work.with_suffix(".safetensors"), None, False)
+              work / "adapters.safetensors", None, False)
     fp = run.fingerprint()
     run.prepare_work_dir(fp)
     run.calibrate(fp)
@@ -200,13 +200,15 @@ def fmt_row(r: dict) -> str:
         return "–" if v is None else (("inf" if v == float("inf") else format(v, spec)))
     cpu = "–" if r["cpu_s"] is None else f"{r['cpu_s'] / 60:.1f}"
     return (f"| {r['label']} | {r['params_ratio']:.3f} | {r['bytes'] / 1e6:.2f} | {r['flops_ratio']:.2f} | "
-            f"{f(r['latent_psnr_db'], '.1f')} | {f(r.get('image_psnr_db'), '.1f')} | {f(r.get('image_ssim'), '.3f')} | "
+            f"{f(r['latent_psnr_db'], '.1f')} | {f(r.get('image_psnr_db'), '.1f')} | "
+            f"{f(r.get('image_psnr_db_median'), '.1f')} | {f(r.get('image_ssim'), '.3f')} | "
             f"{f(r['eps_rel_error'], '.4f')} | {f(r.get('guided_eps_rel_error'), '.4f')} | "
             f"{f(r.get('lora_effect_cosine'), '.4f')} | {f(r.get('controlnet_effect_cosine'), '.4f')} | {cpu} |")
 
 
-HEADER = ("| row | params × | MB | FLOPs × | latent PSNR dB | image PSNR dB | SSIM | ε rel err | guided ε rel err | "
-          "LoRA cos | ControlNet cos | train CPU-min |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| row | params × | MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM | ε rel err | "
+          "guided ε rel err | LoRA cos | ControlNet cos | train CPU-min |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main():

@@ -175,6 +175,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
                   "ranks": aset.ranks(), "breakdown_original": original_rows, "breakdown_slim": slim_rows},
         "fidelity": {"eps_rel_error": fid["eps_rel_error"], "guided_eps_rel_error": fid["guided_eps_rel_error"],
                      "latent_psnr_db": fid["latent_psnr_db"], "image_psnr_db": fid["image_psnr_db"],
+                     "image_psnr_db_median": fid["image_psnr_db_median"],
                      "image_ssim": fid["image_ssim"]},
         "lora": {"effect_cosine_eps": fid["lora_effect_cosine"],
                  "green_fraction": {k: round(fg_green[k], 4) for k in ("teacher", "teacher+LoRA", "slim",
@@ -221,7 +222,8 @@ def summary_markdown(s: dict) -> str:
         "| fidelity (same seeds, same prompts) | value |", "|---|---|",
         f"| eps relative error, slim vs teacher | {f['eps_rel_error']:.4f} |",
         f"| CFG-guided eps relative error | {f['guided_eps_rel_error']:.4f} |",
-        f"| image PSNR slim vs teacher | {f['image_psnr_db']:.2f} dB |",
+        f"| image PSNR slim vs teacher (all images / median image) | {f['image_psnr_db']:.2f} / "
+        f"{f['image_psnr_db_median']:.2f} dB |",
         f"| image SSIM slim vs teacher | {f['image_ssim']:.4f} |",
         f"| LoRA-effect cosine (eps) | {lo['effect_cosine_eps']:.4f} |",
         f"| green pixels teacher → teacher+LoRA | {lo['green_fraction']['teacher']:.3f} → "

@@ -205,7 +205,8 @@ COMPARE = ("fp8", "q8_0", "q4_0", "slim+fp8")
 def _ladder_row(label, r: dict, weights: dict, method, flops: float, teacher_params: int) -> dict:
     from . import quant
     n = sum(v.numel() for v in weights.values())
-    keys = ("latent_psnr_db", "image_psnr_db", "image_ssim", "eps_rel_error", "guided_eps_rel_error",
+    keys = ("latent_psnr_db", "image_psnr_db", "image_psnr_db_median", "image_ssim", "eps_rel_error",
+            "guided_eps_rel_error",
             "lora_effect_cosine", "controlnet_effect_cosine")
     return {"row": label, "params_ratio": n / teacher_params, "weight_bytes": quant.storage_bytes(weights, method),
             "flops_ratio": flops, **{k: r.get(k) for k in keys}}
@@ -328,11 +329,12 @@ def format_ladder(rows: list) -> str:
     """The ladder rows as a Markdown table."""
     def f(v, spec):
         return "–" if v is None else ("inf" if v == math.inf else format(v, spec))
-    out = ["| row | params × | weight MB | FLOPs × | latent PSNR dB | image PSNR dB | SSIM | ε rel err | guided ε err "
-           "| LoRA cos | ControlNet cos |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| row | params × | weight MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM "
+           "| ε rel err | guided ε err | LoRA cos | ControlNet cos |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['row']} | {r['params_ratio']:.3f} | {r['weight_bytes'] / 1e6:.1f} | {r['flops_ratio']:.2f} "
-                   f"| {f(r['latent_psnr_db'], '.1f')} | {f(r['image_psnr_db'], '.1f')} | {f(r['image_ssim'], '.3f')} "
+                   f"| {f(r['latent_psnr_db'], '.1f')} | {f(r['image_psnr_db'], '.1f')} "
+                   f"| {f(r['image_psnr_db_median'], '.1f')} | {f(r['image_ssim'], '.3f')} "
                    f"| {f(r['eps_rel_error'], '.4f')} | {f(r['guided_eps_rel_error'], '.4f')} "
                    f"| {f(r['lora_effect_cosine'], '.4f')} | {f(r['controlnet_effect_cosine'], '.4f')} |")
     return "\n".join(out)

@@ -5,7 +5,9 @@ optional ControlNet). :func:`reference` runs the teacher once (with and without 
 own trajectories visit; :func:`compare` runs a candidate on exactly those and returns:
 
 - ``latent_psnr_db`` / ``image_psnr_db`` / ``image_ssim``: sampled latents and decoded images against the teacher's,
-  same seeds and prompts (peak = the teacher latents' range; images in [0, 1]);
+  same seeds and prompts (peak = the teacher latents' range; images in [0, 1]); PSNR pools the squared error of
+  all samples, so one sample whose trajectory tips into another image dominates it: ``image_psnr_db_median`` (the
+  median sample's PSNR) says whether the rest stayed the teacher's;
 - ``eps_rel_error``: ‖ε_cand − ε_teacher‖ / ‖ε_teacher‖ on the teacher's trajectory inputs (both CFG halves),
   and ``guided_eps_rel_error`` on the classifier-free-guided ε the sampler actually steps with;
 - ``lora_effect_cosine``: cos(ε_cand+LoRA − ε_cand, ε_teacher+LoRA − ε_teacher) on the same inputs;
@@ -181,6 +183,7 @@ def compare(probe: Probe, ref: Reference, candidate: nn.Module, candidate_lora: 
         out["image_ssim"] = ssim(images, ref.images)
         out["images"] = images
         detail["image_psnr_db"] = [psnr(a, b, peak=1.0) for a, b in zip(images, ref.images)]
+        out["image_psnr_db_median"] = float(torch.tensor(detail["image_psnr_db"]).median())
         detail["image_ssim"] = [ssim(a, b) for a, b in zip(images, ref.images)]
     if candidate_lora is not None and ref.eps_lora is not None:
         fl = probe.fn_of(candidate_lora)

@@ -1,0 +1,48 @@
+"""Train the shipped sdslim adapter file of the tiny teacher (the ComfyUI tiny demo's Slim UNet adapters) with the
+product's own `sdslim train`, and record it in the asset manifest."""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from tiny_common import ROOT, record_asset
+
+from sdslim_core import tiny
+from sdslim_core.adapters import AdapterSet
+
+WHAT = ("sdslim adapter file for tiny_sd15 at the parameter count of uniform ratio {ratio} (ranks allocated per "
+        "site by measured whole-UNet error), trained by `sdslim train`; the Slim UNet adapter of the ComfyUI tiny "
+        "demo workflow (`example_workflows/tiny_demo.json`). Load with `sdslim_core.adapters.AdapterSet.load`.")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    out = tiny.ASSETS / "tiny_sd15_slim_half.safetensors"
+    cmd = [sys.executable, "-m", "sdslim_core.cli", "train", "--ckpt", str(tiny.DEFAULT_PATH.relative_to(ROOT)),
+           "--out", str(out.relative_to(ROOT)), "--ratio", str(args.ratio), "--steps", str(args.steps),
+           "--seed", str(args.seed), "--no-progress", "--no-vram-estimate"]
+    start = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    seconds = time.time() - start
+    aset = AdapterSet.load(out)
+    err = aset.metadata["sdslim.train"]["unet_error"]
+    out.with_name(out.stem + ".errors.png").unlink(missing_ok=True)     # the report plot and the work dir are not
+    shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # assets
+    record_asset(out, {"what": WHAT.format(ratio=args.ratio),
+                       "command": f"OMP_NUM_THREADS={args.threads} python tools/train_tiny_adapters.py --ratio "
+                                  f"{args.ratio} --steps {args.steps} --seed {args.seed}",
+                       "train_seconds": round(seconds), "threads": args.threads,
+                       "final_loss": {"unet_eps_relative_error": {k: round(v, 4) for k, v in err.items()}},
+                       "loss_curve": "(per-site errors in the file's sdslim.train metadata)"})
+    print(f"wrote {out} in {seconds:.0f} s; UNet eps relative error {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """Params, fp16 weight bytes and CPU latency of the slim UNet vs the original, measured side by side.
 
-    .venv/bin/python bench/core_bench.py [--repeats 5] [--threads 2]
+    .venv/bin/python bench/core_bench.py [--repeats 5] [--threads 2] [--counts-only]
 
-Counts come from the real SD1.5/SDXL layouts (meta device). Latency: one SD1.5-layout UNet forward
+Counts and forward FLOPs come from the real SD1.5/SDXL layouts (meta device), uniform ratios. Latency: one SD1.5-layout UNet forward
 (random weights, fp32, 64×64 latent, batch 1, 77 context tokens), original and slim interleaved in the same
 run, median of the repeats.
 """
@@ -21,8 +21,27 @@ from sdslim_core.unet import build_diffusers_unet
 RATIOS = (0.75, 0.5, 0.25)
 
 
+def meta_flops_ratio(arch: str, ratio: float) -> float:
+    """Forward FLOPs of the uniform-``ratio`` slim UNet over the original's (real layout on the meta device; SD1.5
+    at a 64×64 latent, SDXL at 128×128, 77 context tokens; matmuls and convolutions as torch counts them)."""
+    from sdslim_core import fidelity
+    cfg = layout.config_for_arch(arch)
+    unet = build_diffusers_unet(cfg, device="meta").eval()
+    weights = layout.to_canonical(unet.state_dict())[0]
+    side = 64 if arch == "sd15" else 128
+    with torch.device("meta"):
+        x, t, ctx = torch.empty(1, 4, side, side), torch.tensor([500.0]), torch.empty(1, 77, cfg.context_dim)
+        kw = {"added_cond_kwargs": {"text_embeds": torch.empty(1, cfg.adm_in_channels - 6 * 256),
+                                    "time_ids": torch.empty(1, 6)}} if cfg.adm_in_channels else {}
+        aset = adapters.AdapterSet.shaped_like(cfg, ratio)
+    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    return (fidelity.forward_flops(slim, x, t, encoder_hidden_states=ctx, **kw) /
+            fidelity.forward_flops(unet, x, t, encoder_hidden_states=ctx, **kw))
+
+
 def count_table():
-    print(f"{'arch':<6}{'ratio':>6}{'params':>16}{'slim params':>16}{'x':>7}{'fp16 GiB':>10}{'slim GiB':>10}")
+    print(f"{'arch':<6}{'ratio':>6}{'params':>16}{'slim params':>16}{'x':>7}{'fp16 GiB':>10}{'slim GiB':>10}"
+          f"{'FLOPs x':>9}")
     for arch in ("sd15", "sdxl"):
         shapes, _ = canonical_shapes_for_arch(arch)
         orig = breakdown.count(shapes)["total"]
@@ -30,7 +49,7 @@ def count_table():
             ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
             slim = breakdown.count(fold.slim_shapes(shapes, ranks))["total"]
             print(f"{arch:<6}{ratio:>6}{orig:>16,}{slim:>16,}{slim / orig:>7.3f}{orig * 2 / 2**30:>10.3f}"
-                  f"{slim * 2 / 2**30:>10.3f}")
+                  f"{slim * 2 / 2**30:>10.3f}{meta_flops_ratio(arch, ratio):>9.3f}")
 
 
 def cpu_timer(fn) -> float:
@@ -77,10 +96,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--counts-only", action="store_true", help="the params/bytes/FLOPs table, no latency run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     count_table()
-    latency(args.repeats)
+    if not args.counts_only:
+        latency(args.repeats)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ class TrainConfig:
     budget_by: str = "params"              # what --ratio R's budget holds fixed while ranks are allocated: the
                                            # parameters of uniform R ("params") or its forward FLOPs ("flops")
     allocation: str = "e2e"                # error a budget is spent on: "e2e" = whole-UNet eps error with the site
-                                           # slimmed alone (held-out inputs), "guided" = the same on the CFG-guided
-                                           # eps, "site" = the site's own output error
+                                           # slimmed alone (held-out inputs), "site" = the site's own output error
     alloc_inputs: int = 32                 # held-out UNet inputs of each e2e measurement
     rank_grid: tuple = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
     # ---- calibration ----
@@ -102,8 +101,8 @@ class TrainConfig:
             raise ValueError(f"budget_by must be params or flops, got {self.budget_by!r}")
         if self.budget_by == "flops" and (self.ratio is None or self.budget is not None):
             raise ValueError("--budget-by flops holds the FLOPs of uniform --ratio fixed: give --ratio")
-        if self.allocation not in ("e2e", "guided", "site"):
-            raise ValueError(f"allocation must be e2e, guided or site, got {self.allocation!r}")
+        if self.allocation not in ("e2e", "site"):
+            raise ValueError(f"allocation must be e2e or site, got {self.allocation!r}")
         if self.ff_rank is not None and self.ff_ratio is not None:
             raise ValueError("give --ff-rank or --ff-ratio, not both")
         for name in ("ratio", "ff_ratio", "res_ratio"):

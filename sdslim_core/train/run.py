@@ -395,9 +395,7 @@ class Run:
         fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
         grids = {s.name: ranks_mod.rank_grid(s, fractions) for s in self.site_list}
         method = tc.init_methods[0]
-        guided = tc.allocation == "guided" and tc.guidance != 1.0
-        ids = sensitivity.probe_ids(self.bank, tc.alloc_inputs, tc.seed, paired=guided)
-        guided = guided and ids.numel() % 2 == 0 and bool(self.bank.cfg_pairs(ids).numel())
+        ids = sensitivity.probe_ids(self.bank, tc.alloc_inputs, tc.seed)
         local = {}
         todo = self.owned_sites([s for s in self.site_order if grids[s]])
         self.progress.start_stage("rank curves", len(todo), unit="site")
@@ -417,8 +415,7 @@ class Run:
                                          {site: adapters_mod.res_groups(si.site.width, r)} if si.site.kind == "res"
                                          else {})
                         curve[r] = sensitivity.e2e_error(teacher, one, self.bank, ids, self.device,
-                                                         self.compute_dtype, self.amp,
-                                                         guidance=tc.guidance if guided else None) ** 2
+                                                         self.compute_dtype, self.amp) ** 2
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(curve))
                 tmp.replace(path)

@@ -14,15 +14,9 @@ from ..adapters import AdapterSet
 from .calibration import InputBank, _gen, unet_call
 
 
-def probe_ids(bank: InputBank, n: int, seed: int, paired: bool = False) -> torch.Tensor:
-    """``n`` held-out inputs (a fixed random subset of the eval split); ``paired``: ``n // 2`` CFG pairs laid out as
-    [unconditional halves; conditional halves] (falls back to single inputs when the bank has no pairs)."""
+def probe_ids(bank: InputBank, n: int, seed: int) -> torch.Tensor:
+    """``n`` held-out inputs (a fixed random subset of the eval split)."""
     ev = bank.eval_ids()
-    pairs = bank.cfg_pairs(ev) if paired else torch.empty(0, 2, dtype=torch.long)
-    if len(pairs):
-        pick = torch.randperm(len(pairs), generator=_gen(seed, 81))[:max(1, n // 2)]
-        chosen = pairs[torch.sort(pick).values]
-        return torch.cat([chosen[:, 0], chosen[:, 1]])
     if n >= ev.numel():
         return ev
     return torch.sort(ev[torch.randperm(ev.numel(), generator=_gen(seed, 81))[:n]]).values
@@ -30,23 +24,21 @@ def probe_ids(bank: InputBank, n: int, seed: int, paired: bool = False) -> torch
 
 @torch.no_grad()
 def e2e_error(teacher, aset: AdapterSet, bank: InputBank, ids: torch.Tensor, device, dtype, amp,
-              batch: int = 8, guidance: float | None = None) -> float:
-    """Relative error of ``teacher`` with ``aset``'s sites in train-time form against the teacher's recorded ε; with
-    ``guidance``, of the classifier-free-guided ε of the CFG pairs ``ids`` (see :func:`probe_ids`), which is what a
-    sampler steps with (guidance amplifies the errors of the two halves)."""
+              batch: int = 8) -> float:
+    """Relative error of ``teacher`` with ``aset``'s sites in train-time form against the teacher's recorded ε."""
     tree, _ = swap.attach_train_adapters(teacher, aset)
     for p in tree.parameters():
         p.requires_grad_(False)
     tree = tree.to(device).eval()
-    outs = []
+    num = den = 0.0
     for i in range(0, ids.numel(), batch):
+        b = ids[i:i + batch]
         with amp():
-            outs.append(unet_call(tree, bank.batch(ids[i:i + batch], device, dtype)).double())
-    out, ref = torch.cat(outs), bank.eps[ids].to(device).double()
-    if guidance is not None:
-        (ou, oc), (ru, rc) = out.chunk(2), ref.chunk(2)
-        out, ref = ou + guidance * (oc - ou), ru + guidance * (rc - ru)
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+            out = unet_call(tree, bank.batch(b, device, dtype)).double()
+        ref = bank.eps[b].to(device).double()
+        num += float((out - ref).pow(2).sum())
+        den += float(ref.pow(2).sum())
+    return (num / max(den, 1e-30)) ** 0.5
 
 
 @torch.no_grad()

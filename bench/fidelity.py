@@ -195,6 +195,12 @@ def sequential_refit(run, aset: adapters.AdapterSet, passes: int = 2, n_inputs: 
     return errors
 
 
+def short(site: str) -> str:
+    """input_blocks.4.1.transformer_blocks.0.ff → in4.ff, output_blocks.5.0 → out5.0 (res)."""
+    s = site.replace("input_blocks.", "in").replace("output_blocks.", "out").replace("middle_block.", "mid")
+    return s.replace(".1.transformer_blocks.0.ff", ".ff").replace(".transformer_blocks.0.ff", ".ff")
+
+
 def fmt_row(r: dict) -> str:
     def f(v, spec):
         return "–" if v is None else (("inf" if v == float("inf") else format(v, spec)))
@@ -217,6 +223,7 @@ def main():
     ap.add_argument("--targets", default="0.85,0.75,half,0.55")
     ap.add_argument("--budgets", default="init,demo,long")
     ap.add_argument("--long-at", default="half", help="targets that also get the long budget")
+    ap.add_argument("--trained-at", default="", help="targets that get the training budgets (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ablation", action="store_true")
     ap.add_argument("--out", default="out/bench-fidelity")
@@ -228,6 +235,7 @@ def main():
     names = {"half": half}
     targets = [names.get(x, None) or float(x) for x in args.targets.split(",")]
     long_at = [names.get(x, None) or float(x) for x in args.long_at.split(",") if x]
+    trained_at = [names.get(x, None) or float(x) for x in args.trained_at.split(",") if x] or targets
     budgets = args.budgets.split(",")
     results = {}
     for name in args.teachers.split(","):
@@ -247,7 +255,7 @@ def main():
             tag = f"{target:.3f}" + (" (SD1.5 half)" if target == half else "")
             best = None
             for budget in budgets:
-                if budget == "long" and target not in long_at:
+                if budget == "long" and target not in long_at or budget != "init" and target not in trained_at:
                     continue
                 for mode in (("uniform", "params", "flops") if budget == "init" else ("params",)):
                     work = out / "work" / f"{name}-{target:.3f}-{budget}-{mode}"
@@ -259,6 +267,9 @@ def main():
                     r["ranks"] = aset.ranks()
                     rows.append(r)
                     print(fmt_row(r), flush=True)
+                    widths = {s.name: s.width for s in layout.sites(t.shapes)}
+                    print("    ranks: " + ", ".join(f"{short(site)} {aset.ranks().get(site, w)}/{w}"
+                                                    for site, w in widths.items()), file=sys.stderr, flush=True)
                     if mode == "params":
                         best = (aset, cpu, budget)
                         if budget == "init" and target == half:

@@ -291,6 +291,9 @@ def main():
                       f"of the allocated init at SD1.5-half params: {' -> '.join(f'{e:.4f}' for e in seq)}",
                       flush=True)
         (out / "results.json").write_text(json.dumps(fidelity.jsonable(results), indent=1, default=str))
+        md = "\n\n".join(f"## {n} teacher\n\n{HEADER}\n" + "\n".join(fmt_row(r) for r in res["rows"])
+                          for n, res in results.items())
+        (out / "results.md").write_text(md + "\n")
     print(f"\nwrote {out / 'results.json'}")
 
 

@@ -19,7 +19,7 @@ import torch
 PROMPTS_SEED = 20261130          # a data stream the teacher never saw (it trained on seed 0)
 FAST = dict(stage1_steps=30, stage2_steps=20, n_trajectories=4, sample_steps=8, ff_tokens=4096, res_maps=24,
             rank_grid=(0.25, 0.5, 0.75))
-FULL = dict(stage1_steps=300, stage2_steps=800, n_trajectories=24, sample_steps=16, ff_tokens=16384, res_maps=96,
+FULL = dict(stage1_steps=250, stage2_steps=700, n_trajectories=24, sample_steps=16, ff_tokens=16384, res_maps=96,
             rank_grid=(0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875))
 ALTERNATIVES = ("fp8", "q4_0", "slim+fp8")
 

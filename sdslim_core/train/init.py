@@ -75,6 +75,7 @@ def obs_order(cov: torch.Tensor, weight_gram: torch.Tensor, group: int = 1) -> t
     m = cov.shape[0]
     if m % group:
         raise ValueError(f"obs_order: {m} units do not split into blocks of {group}")
+    cov, weight_gram = cov.double(), weight_gram.double()      # thousands of rank-g downdates: float64 on any device
     eye = torch.eye(m, dtype=cov.dtype, device=cov.device)
     h_inv = torch.linalg.inv(cov + _RIDGE * float(cov.diagonal().mean().clamp_min(1e-30)) * eye)
     c = eye.clone()                                   # m × m: columns of removed units become zero

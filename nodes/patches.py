@@ -12,6 +12,7 @@ dropped with one message per LoRA/hook. :func:`fit_to_slim` decides what one pat
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import weakref
@@ -25,6 +26,8 @@ PREFIX = "diffusion_model."
 log = logging.getLogger("sdslim")
 _reported_hooks = weakref.WeakSet()
 _NEEDS_BASE = ("GLoRAAdapter", "OFTAdapter", "BOFTAdapter")      # ComfyUI forms computed from the base weight
+_CONVERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # SlimSpace → recent conversions
+_CACHED = 1024                                                    # conversions kept per slim model (~10 LoRAs)
 
 
 def made_for_numel(value) -> int | None:
@@ -150,9 +153,33 @@ def fit_to_slim(info, k, value, shape: tuple, source: str, out: Fitted) -> None:
     if space.form(mod) == DROPPED:                                    # norm2 of a folded ResBlock (form: refusals)
         out.lost.append(k)
         return
+    out.pairs += _converted(space, ckey, value, mod)
+
+
+def _converted(space, ckey: str, value, mod: LoraModule) -> list:
+    """The slim patches of ``mod`` (made from ``value``), converted once per source tensors: the same LoRA added
+    again (a strength change, a hook registered at every sampling) reuses them."""
+    sources = _sources(value)
+    key = (ckey, type(value).__name__, tuple(("t", id(x)) if torch.is_tensor(x) else ("v", repr(x)) for x in sources))
+    cache = _CONVERSIONS.setdefault(space, collections.OrderedDict())
+    hit = cache.get(key)
+    if hit is not None and all(ref() is x for ref, x in zip(hit[0], [x for x in sources if torch.is_tensor(x)])):
+        cache.move_to_end(key)
+        return hit[1]
     dtype = _dtype_of(mod)
-    for part, new in space.convert_part(mod, ckey.rsplit(".", 1)[1]).items():
-        out.pairs.append((PREFIX + f"{mod.target}.{part}", value if new is mod else host_value(new, part, dtype)))
+    pairs = [(PREFIX + f"{mod.target}.{part}", value if new is mod else host_value(new, part, dtype))
+             for part, new in space.convert_part(mod, ckey.rsplit(".", 1)[1]).items()]
+    cache[key] = ([weakref.ref(x) for x in sources if torch.is_tensor(x)], pairs)
+    for old in [k for k, (refs, _) in cache.items() if any(r() is None for r in refs)]:
+        del cache[old]                                                # their LoRA is gone
+    while len(cache) > _CACHED:
+        cache.popitem(last=False)
+    return pairs
+
+
+def _sources(value) -> tuple:
+    weights = getattr(value, "weights", None)
+    return tuple(weights) if weights is not None else tuple(value[1])
 
 
 def fit_patches(model, patches: dict, source: str) -> Fitted:

@@ -334,14 +334,17 @@ def test_loras_after_slim_are_converted_and_equal_the_fold_of_the_merged_weights
     aset = _with_intercept(_aset(weights, 0.5))
     slim = pack.folding.slim_patcher(patcher, aset)
     patches, deltas = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    from sdslim_core import fold
-    calls = []
-    real = fold.fold_site
+    from sdslim_core import fold, lora_slim
+    calls, converts = [], []
+    real, real_convert = fold.fold_site, lora_slim.SlimSpace.convert
     monkeypatch.setattr(fold, "fold_site", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
-    for strength in (1.0, 0.35, -0.8):
+    monkeypatch.setattr(lora_slim.SlimSpace, "convert", lambda *a, **k: converts.append(1) or real_convert(*a, **k))
+    for i, strength in enumerate((1.0, 0.35, -0.8)):
         later = slim.clone()
         added = later.add_patches(patches, strength)
         assert set(patches) <= set(added)
+        assert converts if i == 0 else not converts, "the same LoRA at another strength is not converted again"
+        converts.clear()
         got = _patched_unet(later)
         scaled = {k: strength * d for k, d in deltas.items()}
         for site in (FF, RES):

@@ -728,15 +728,20 @@ def test_loras_after_slim_unet_equal_loras_before_it(comfy, tiny, intercept_adap
     x, t, ctx = _inputs()
     plain = _run(slim, x, t, ctx)
     calls = _count_folds(monkeypatch)
+    from sdslim_core import lora_slim
+    converts, real_convert = [], lora_slim.SlimSpace.convert
+    monkeypatch.setattr(lora_slim.SlimSpace, "convert", lambda *a, **k: converts.append(1) or real_convert(*a, **k))
     for names, strength in ((["lora"], 1.0), (["lora"], 0.4), (["locon"], -0.7), (["loha"], 0.8),
                             (["lora", "locon", "loha"], 0.6)):
         after, before = slim, patcher
+        converts.clear()
         with caplog.at_level(logging.WARNING):
             for name in names:
                 (after,) = loader.load_lora_model_only(after, f"{name}.safetensors", strength)
             folds = len(calls)
             got = _run(after, x, t, ctx)
         assert len(calls) == folds == 0, "adding a LoRA to a slim model must not fold"
+        assert bool(converts) == (strength != 0.4), "a strength change reuses the LoRA's conversion"
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
         for name in names:
             (before,) = loader.load_lora_model_only(before, f"{name}.safetensors", strength)

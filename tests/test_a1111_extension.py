@@ -63,7 +63,7 @@ def test_the_merged_lora_weight_is_what_gets_folded(session):
     # independent float64 fold of W0 + ΔW (value rows first, gate rows second)
     w0 = session.pristine.get_submodule(f"{FF}.net.0.proj").weight
     lw = session.lora["diffusion_model_" + f"{FF}.net.0.proj".replace(".", "_")]
-    merged = w0 + lw["up"] @ lw["down"] * (lw["alpha"] / 2) * 0.8
+    merged = w0 + lw["lora_up.weight"] @ lw["lora_down.weight"] * (float(lw["alpha"]) / 2) * 0.8
     aset = adapters.AdapterSet.load(session.adapter_file)
     m = merged.shape[0] // 2
     t = aset.sites[FF]

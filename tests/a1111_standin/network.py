@@ -5,7 +5,7 @@ layer, by suffix: ``lora_up.weight``, ``hada_w1_a``, ``diff``, ``alpha`` …) an
 ``calc_updown(orig_weight)`` gives (ΔW, Δbias) with the format scale and the multiplier applied
 (``finalize_updown``), and ``forward(x, y)`` is the functional form (``lora_functional``): the layer's output plus
 the delta applied with the layer's own op. The per-format classes are in ``network_lora``/``network_hada``/
-``network_full``; DoRA is not reproduced.
+``network_full``/``network_lokr``; DoRA is not reproduced.
 """
 import torch
 import torch.nn.functional as F
@@ -56,8 +56,10 @@ class NetworkModule:
         return 1.0
 
     def finalize_updown(self, updown, orig_weight, output_shape, ex_bias=None):
-        if self.bias is not None or self.dora_scale is not None:
-            raise NotImplementedError("stand-in: no LyCORIS bias or DoRA")
+        if self.dora_scale is not None:
+            raise NotImplementedError("stand-in: no DoRA")
+        if self.bias is not None:           # LyCORIS' "bias" of a module: added to its ΔW before the scale
+            updown = updown.reshape(self.bias.shape) + self.bias.to(orig_weight.device, dtype=updown.dtype)
         updown = updown.reshape(orig_weight.shape)
         if ex_bias is not None:
             ex_bias = ex_bias * self.multiplier()

@@ -23,14 +23,14 @@ _ATTRIBUTES = {                       # class name → (core kind, {core role: a
 
 
 def needs_fold(module) -> str | None:
-    """Why ``module`` (a network module on a layer the fold changes) cannot be applied in slim space, or None:
-    DoRA and the other forms computed from the full-size weight (GLoRA, OFT, IA3, a LyCORIS bias term) are folded
-    in instead."""
+    """The form of ``module`` (a network module on a layer the fold changes) that keeps it out of slim space, or
+    None: DoRA and the other forms computed from the full-size weight (GLoRA, OFT, IA3, a LyCORIS bias term) are
+    folded in instead."""
     name = type(module).__name__
     if name not in _ATTRIBUTES:
-        return f"{name} (computed from the full-size weight)"
+        return name[len("NetworkModule"):] if name.startswith("NetworkModule") else name
     if getattr(module, "dora_scale", None) is not None:
-        return "DoRA (computed from the full-size weight)"
+        return "DoRA"
     if getattr(module, "bias", None) is not None:
         return "a LyCORIS bias term"
     return None

@@ -5,10 +5,11 @@ A LoRA (or hook LoRA, or any weight patch) added *after* Slim UNet was made for 
 the fold changed, the slim model's patcher (:func:`slim_class`) converts each patch once, when it is added, with
 the core (:class:`sdslim_core.lora_slim.SlimSpace`), and hands ComfyUI ordinary patches: a LoRA/LoCon stays a
 ``LoRAAdapter`` of the same rank, LoHa/LoKr/full diffs become a dense ``("diff", …)`` of the slim size, and a
-``net.2`` delta under an FF intercept also gets its bias patch. The strength stays ComfyUI's, so a strength change
-costs neither a fold nor a conversion of anything but that LoRA. DoRA and the other forms that need the full-size
-weight are refused with the core's message; what cannot be converted otherwise (norm2 deltas, model merges) is
-dropped with one message per LoRA/hook. :func:`fit_to_slim` decides what one patch becomes.
+``net.2`` delta under an FF intercept also gets its bias patch. The strength stays ComfyUI's, and a LoRA added again
+with the same tensors (a strength change, a hook registered at every sampling) reuses its conversion, so neither
+folds nor converts. DoRA and the other forms that need the full-size weight are refused with the core's message;
+what cannot be converted otherwise (norm2 deltas, model merges) is dropped with one message per LoRA/hook.
+:func:`fit_to_slim` decides what one patch becomes.
 """
 from __future__ import annotations
 

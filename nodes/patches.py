@@ -151,7 +151,7 @@ def fit_to_slim(info, k, value, shape: tuple, source: str, out: Fitted) -> None:
     if mod is None:
         out.dropped.append(k)
         return
-    if space.form(mod) == DROPPED:                                    # norm2 of a folded ResBlock (form: refusals)
+    if space.form(mod) == DROPPED:                  # norm2 of a folded ResBlock (form() raises for DoRA)
         out.lost.append(k)
         return
     out.pairs += _converted(space, ckey, value, mod)

@@ -805,7 +805,8 @@ def test_load_slim_checkpoint_gives_the_slim_unet_and_takes_loras(comfy, tiny, i
     monkeypatch.setattr(sm, "models", [tiny_cls] + list(sm.models))
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
-    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, str(ckpts / "plain.safetensors"))
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()},
+              str(ckpts / "plain.safetensors"))
     core_slim.slim_checkpoint(ckpts / "plain.safetensors", adapter_dir / intercept_adapters, ckpts / "slim.safetensors")
     comfy["folder_paths"].add_model_folder_path("checkpoints", str(ckpts), is_default=True)
     with pytest.raises(RuntimeError, match="size mismatch"):

@@ -10,6 +10,7 @@ import comfy.utils
 import folder_paths
 
 from sdslim_core.adapters import AdapterSet
+from sdslim_core.slim import site_reader
 
 from . import folding, monitor, paths, report
 from .specs import Result
@@ -20,20 +21,23 @@ log = logging.getLogger("sdslim")
 def slim(model, adapters: str, strength: float, enable: bool) -> Result:
     if not enable:
         return Result((model,))
-    aset = _load_adapters(adapters).select(strength)
+    path = paths.resolve(folder_paths, adapters)
+    aset = AdapterSet.load(path, lazy=True).select(strength)      # values read per site, now and for later LoRAs
     if not aset.sites:
         out = model.clone()
         monitor.install(out)
         return Result((out,))
     bar = comfy.utils.ProgressBar(len(aset.sites))
-    out = folding.slim_patcher(model, aset, progress=lambda done, total: bar.update_absolute(done, total))
+    out = folding.slim_patcher(model, aset, progress=lambda done, total: bar.update_absolute(done, total),
+                               site_tensors=site_reader(path, aset))
     log.info("sdslim: folded %d sites from %s; UNet %s -> %s", len(aset.sites), adapters,
              report.fmt_bytes(model.model_size()), report.fmt_bytes(out.model_size()))
     return Result((out,))
 
 
-def _load_adapters(name: str):
-    return AdapterSet.load(paths.resolve(folder_paths, name))
+def load_slim_checkpoint(ckpt_name: str) -> Result:
+    from . import loading
+    return Result(loading.load(folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)))
 
 
 def vram_monitor(model) -> Result:

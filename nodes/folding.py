@@ -25,7 +25,7 @@ import comfy.model_management
 import comfy.ops
 import comfy.utils
 
-from sdslim_core import adapters, fold, layout
+from sdslim_core import adapters, fold, layout, lora_slim
 
 from . import monitor, patches
 
@@ -47,6 +47,7 @@ class SlimInfo:
     ranks: dict                        # site -> rank
     full_shapes: dict                  # canonical key -> shape of the original (full) model
     slim_keys: frozenset               # canonical keys whose shape changed
+    space: object = None               # lora_slim.SlimSpace of the folded adapters (None: LoRAs cannot be converted)
 
 
 def check_weights(kp: dict) -> None:
@@ -105,6 +106,21 @@ def _new_layer(old: torch.nn.Module, shape: tuple, dtype: torch.dtype, plain_dty
     if not hasattr(new, "comfy_cast_weights"):
         raise SlimError(f"sdslim: layer class {type(new).__name__} is not a comfy.ops layer")
     return new
+
+
+def replace_layers(skeleton: torch.nn.Module, weights: dict, slim_keys, groups: dict, plain) -> set:
+    """Give ``skeleton`` (a UNet on meta) new layers, like the ones they replace, for the weights whose shape
+    changed (``slim_keys``: canonical keys of ``weights``) and for the norm2 layers whose group count ``groups``
+    (path → groups) changes; ``plain(path)``: whether that layer's weights are plain floats (else manual-cast ops).
+    Returns the replaced module paths."""
+    rebuild = {k.rsplit(".", 1)[0] for k in slim_keys}
+    rebuild |= {p for p, g in groups.items() if comfy.utils.get_attr(skeleton, p).num_groups != g}
+    for path in sorted(rebuild):
+        weight = weights[path + ".weight"]
+        layer = _new_layer(comfy.utils.get_attr(skeleton, path), tuple(weight.shape), weight.dtype, plain(path),
+                           groups.get(path))
+        comfy.utils.set_attr(skeleton, path, layer)
+    return rebuild
 
 
 def _meta_base_model(base) -> torch.nn.Module:
@@ -202,12 +218,15 @@ def _rebind(out, new_base) -> None:
     out.model_size()
 
 
-def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
+def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors=None):
     """Return a new ModelPatcher whose UNet has ``aset`` folded into ``model``'s LoRA-merged weights.
 
     The result is ``model.clone()`` on a new BaseModel: every patch, option, wrapper, callback, hook and
     attachment of ``model`` is kept, except what was tied to the old UNet (the folded patches, and what
-    :func:`_drop_ties_to_old_unet` names). ``progress(done, total)`` is called after each site. Raises SlimError /
+    :func:`_drop_ties_to_old_unet` names); patches made for the full-size layers (hook LoRAs registered before)
+    are converted into slim space, as are those added later (:mod:`.patches`). ``site_tensors(site)`` gives a
+    site's adapter tensors (default ``aset.sites[site]``; a file reader keeps them out of memory: the slim model
+    reads them again to convert LoRAs). ``progress(done, total)`` is called after each site. Raises SlimError /
     AdapterError with the key or site at fault. ``model`` and its BaseModel are not modified.
     """
     base = model.model
@@ -223,6 +242,7 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
         raise SlimError(f"sdslim: the MODEL is not an SD1.x/SD2.x/SDXL UNet: {err}") from None
     aset.check_model(shapes, family)
 
+    site_tensors = site_tensors or (lambda s: aset.sites[s])
     device = model.load_device if getattr(model.load_device, "type", "cpu") == "cuda" else torch.device("cpu")
     used: set = set()
     get = merged_getter(kp, device, used)
@@ -230,7 +250,7 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
     sites = list(aset.sites)
     for i, site in enumerate(sites):
         comfy.model_management.throw_exception_if_processing_interrupted()
-        for key, t in fold.fold_site(site, aset.kind(site), get, aset.sites[site]).items():
+        for key, t in fold.fold_site(site, aset.kind(site), get, site_tensors(site)).items():
             store = _store_dtype(kp[PREFIX + key][0][0].dtype, base)
             folded[key] = t.to(device=model.offload_device, dtype=store)
         if progress is not None:
@@ -244,18 +264,13 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
     skeleton = new_base.diffusion_model
     slim_keys = {k for k, t in folded.items() if tuple(t.shape) != shapes[k]}
     groups = {f"{s}.{layout.RES_LAYERS['ldm']['norm2']}": aset.groups(s) for s in sites if aset.kind(s) == "res"}
-    rebuild = {k.rsplit(".", 1)[0] for k in slim_keys}
-    rebuild |= {p for p, g in groups.items() if comfy.utils.get_attr(skeleton, p).num_groups != g}
-    for path in sorted(rebuild):
-        weight = folded[path + ".weight"]
-        plain = kp[PREFIX + path + ".weight"][0][0].dtype in _STORE_DTYPES
-        layer = _new_layer(comfy.utils.get_attr(skeleton, path), tuple(weight.shape), weight.dtype, plain,
-                           groups.get(path))
-        comfy.utils.set_attr(skeleton, path, layer)
+    rebuild = replace_layers(skeleton, folded, slim_keys, groups,
+                             lambda path: kp[PREFIX + path + ".weight"][0][0].dtype in _STORE_DTYPES)
     state = {k: folded[k] if k in folded else kp[PREFIX + k][0][0].detach().to(model.offload_device) for k in shapes}
     skeleton.load_state_dict(state, strict=True, assign=True)
     new_base.sdslim_info = SlimInfo(family=family, adapters=aset.source, ranks=aset.ranks(), full_shapes=shapes,
-                                    slim_keys=frozenset(slim_keys))
+                                    slim_keys=frozenset(slim_keys),
+                                    space=lora_slim.SlimSpace(aset, shapes, site_tensors))
 
     out = model.clone()
     out.__class__ = patches.slim_class(type(model))
@@ -265,11 +280,9 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None):
     _drop_ties_to_old_unet(out, unet, rebuild)
     for table in (out.hook_patches, out.hook_patches_backup or {}):
         for hook_ref, per_key in table.items():
-            keep, dropped = patches.split_patch_lists(new_base, per_key)
-            if dropped:
-                if table is out.hook_patches:
-                    patches.report_dropped("a hook registered before Slim UNet", dropped)
-                table[hook_ref] = keep
+            table[hook_ref], fitted = patches.fit_patch_lists(new_base, per_key, "a hook registered before Slim UNet")
+            if table is out.hook_patches:
+                patches.report("a hook registered before Slim UNet", fitted)
     out.patches_uuid = uuid.uuid4()
     monitor.install(out)
     return out

@@ -49,13 +49,34 @@ def adapter_files(folder_paths) -> list[str]:
     return sorted(out)
 
 
+def slim_checkpoints(folder_paths) -> list[str]:
+    """Slim checkpoints in ComfyUI's ``checkpoints`` folders: ``.safetensors`` files whose header says
+    ``sdslim.slim: 1`` (only the header is read)."""
+    out = []
+    for name in folder_paths.get_filename_list("checkpoints"):
+        path = folder_paths.get_full_path("checkpoints", name)
+        if path is not None and name.lower().endswith(".safetensors") and _header_says(path, "slim"):
+            out.append(name)
+    return sorted(out)
+
+
 def _is_adapter(path: str) -> bool:
-    """:func:`is_adapter_file`, remembered per (path, size, mtime): the list is asked for on every page load."""
+    return _header_says(path, "adapter")
+
+
+def _header_says(path: str, what: str) -> bool:
+    """Whether ``path`` is an sdslim adapter file / slim checkpoint, remembered per (path, size, mtime): the lists
+    are asked for on every page load."""
     from sdslim_core.adapters import is_adapter_file
+    from sdslim_core.safetensors_io import FileFormatError
+    from sdslim_core.slim import is_slim_checkpoint
     st = os.stat(path)
-    key = (path, st.st_size, st.st_mtime_ns)
+    key = (what, path, st.st_size, st.st_mtime_ns)
     if key not in _HEADER_CHECKS:
-        _HEADER_CHECKS[key] = is_adapter_file(path)
+        try:
+            _HEADER_CHECKS[key] = (is_adapter_file if what == "adapter" else is_slim_checkpoint)(path)
+        except (OSError, FileFormatError):
+            _HEADER_CHECKS[key] = False
     return _HEADER_CHECKS[key]
 
 

@@ -68,7 +68,8 @@ def _adapter_files() -> list:
 SLIM = NodeSpec(
     "SdslimSlimUNet", "Slim UNet (sdslim)",
     "Folds trained sdslim adapters into the UNet after the LoRAs already applied to this MODEL: fewer weights, "
-    "same ControlNet/IP-Adapter compatibility. The input MODEL is not modified.",
+    "same ControlNet/IP-Adapter compatibility. LoRAs added after it apply exactly too (converted, no re-fold). "
+    "The input MODEL is not modified.",
     (In("model", "MODEL", tooltip="SD1.x/SD2.x/SDXL model, with its LoRAs already applied"),
      In("adapters", "COMBO", options=_adapter_files, tooltip="adapter file from models/sdslim"),
      In("strength", "FLOAT", 1.0, 0.0, 1.0, 0.05,
@@ -76,6 +77,21 @@ SLIM = NodeSpec(
      In("enable", "BOOLEAN", True, tooltip="off: pass the MODEL through unchanged")),
     (Out("MODEL", "MODEL", "the slim model"),),
     "slim")
+
+def _slim_checkpoints() -> list:
+    import folder_paths
+
+    from . import paths
+    return paths.slim_checkpoints(folder_paths)
+
+
+LOAD_SLIM = NodeSpec(
+    "SdslimLoadSlimCheckpoint", "Load Slim Checkpoint (sdslim)",
+    "Loads a slim checkpoint written by `sdslim slim` (Load Checkpoint cannot: its layers are smaller). LoRA "
+    "loaders after it apply exactly, converted with the adapters the file carries.",
+    (In("ckpt_name", "COMBO", options=_slim_checkpoints, tooltip="slim checkpoints in models/checkpoints"),),
+    (Out("MODEL", "MODEL", "the slim model"), Out("CLIP", "CLIP"), Out("VAE", "VAE")),
+    "load_slim_checkpoint")
 
 TRAIN = NodeSpec(
     "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
@@ -136,4 +152,4 @@ TINY_DEMO = NodeSpec(
      Out("CONTROL_NET", "CONTROL_NET", "mask ControlNet: white shape on black (image channels are averaged)")),
     "tiny_demo")
 
-SPECS = (SLIM, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)
+SPECS = (SLIM, LOAD_SLIM, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)

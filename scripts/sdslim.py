@@ -1,11 +1,14 @@
 """SD Slim for AUTOMATIC1111 stable-diffusion-webui (v1.10+; fallback hooks for older versions).
 
-Right before each sampler pass, the LoRA merge the Lora extension would do lazily on the next forward is forced
-on the layers the fold reads (in its functional mode, "Lora: use old method", each is un-merged right after, as
-its own forward does), the adapters are folded into those merged weights, and fresh slim layers are swapped in
-(``sdslim_core.a1111_swap``); the original layers are kept and put back when SD Slim is off, when the LoRA
-selection changes (then it folds again), when weights are loaded into the UNet, when another model is loaded,
-and after any error. The logic lives in ``sdslim_core``; this file is the webui shell. Forge is refused.
+Right before each sampler pass, the adapters are folded into the layers' own weights (the Lora extension's backups
+where it has merged a LoRA) and fresh slim layers are swapped in (``sdslim_core.a1111_swap``); the LoRAs the
+extension has loaded for this pass are then applied to the slim layers in slim space (``sdslim_core.a1111_lora``
+reads the extension's modules), so a LoRA or strength change costs no fold. A LoRA form that needs the full-size
+weight (DoRA, OFT …) on a folded layer is folded in instead: the extension's merge is forced on the layers the fold
+reads (in its functional mode, "Lora: use old method", each is un-merged right after, as its own forward does)
+before folding. The original layers are kept and put back when SD Slim is off, when weights are loaded into the
+UNet, when another model is loaded, and after any error. The logic lives in ``sdslim_core``; this file is the webui
+shell. Forge is refused.
 """
 import importlib.util
 import os
@@ -14,6 +17,7 @@ import sys
 import gradio as gr
 
 from modules import devices, errors, paths, script_callbacks, scripts, sd_unet, shared, ui_common
+from sdslim_core import a1111_lora
 from sdslim_core import a1111_params as params
 from sdslim_core.a1111_swap import LiveSlim
 from sdslim_core.vram import live as vram_live
@@ -146,11 +150,21 @@ def slim_for_sampling(p, job):
             restore_original("another model")
         if _State.live is None:
             _State.live = LiveSlim(unet)
-        key = (_model_key(sd_model), _State.files.fingerprint(path), job.strength, params.lora_key(loaded))
-        norms = [_State.live.original(pth) for pth, role in _State.live.layer_paths(aset).items() if role == "norm2"]
+        live = _State.live
+        layers = live.layer_paths(aset)
+        norms = [live.original(pth) for pth, role in layers.items() if role == "norm2"]
         hits = params.norm2_lora_hits((getattr(m, "network_layer_name", None) for m in norms), loaded)
-        report = _State.live.apply(key, aset, merge=merge, offload=_offload(sd_model), compute_device=devices.device,
-                                   unmerge=unmerge)
+        modules, folded_in = _slim_space_loras(live, layers, loaded)
+        key = (_model_key(sd_model), _State.files.fingerprint(path), job.strength)
+        if folded_in:       # a form that needs the full-size weight: merged into the originals, then folded
+            _log(f"{folded_in} on a folded layer needs the full-size weight: the LoRAs are folded in")
+            report = live.apply(key + (params.lora_key(loaded),), aset, merge=merge, offload=_offload(sd_model),
+                                compute_device=devices.device, unmerge=unmerge)
+            modules = []
+        else:
+            report = live.apply(key, aset, offload=_offload(sd_model), compute_device=devices.device,
+                                read=a1111_lora.base_weights)
+        loras = live.apply_loras(params.lora_key(loaded) if modules else (), modules)
     except Exception as err:  # noqa: BLE001 - a failed fold must never break the generation
         restore_original("error", forget=False)
         return _fail(p, f"{type(err).__name__}: {err}", exc=not isinstance(err, (ValueError, OSError, RuntimeError)))
@@ -163,6 +177,25 @@ def slim_for_sampling(p, job):
         _log(p.extra_generation_params[params.WARNING_KEY])
     seconds = None if report.cached else report.seconds
     _log(params.fold_text(report.sites, report.layers, report.bytes_saved, seconds))
+    if loras.modules:
+        _log(params.lora_text(loras.modules, loras.tensors, loras.forms, None if loras.cached else loras.seconds))
+
+
+def _slim_space_loras(live, layers, loaded):
+    """([(core module, weight strength, bias strength)] of the loaded networks on the layers the fold changes,
+    the first form among them that needs the full-size weight or None). norm2 is left out (reported apart)."""
+    modules = []
+    for path, role in layers.items():
+        name = getattr(live.original(path), "network_layer_name", None)
+        for net in loaded if role != "norm2" and name else ():
+            module = net.modules.get(name)
+            if module is None:
+                continue
+            why = a1111_lora.needs_fold(module)
+            if why:
+                return [], f"{net.name}: {why}"
+            modules.append(a1111_lora.module_of(module, path, net.name))
+    return modules, None
 
 
 def _functional_unmerge(networks):

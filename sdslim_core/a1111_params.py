@@ -165,6 +165,13 @@ def fold_text(sites: int, layers: int, saved_bytes: int, seconds: float | None) 
     return f"cached: {what}, no fold" if seconds is None else f"folded {what} in {seconds:.1f} s"
 
 
+def lora_text(modules: int, tensors: int, forms: dict, seconds: float | None) -> str:
+    """The console line of the LoRAs applied to the slim layers: computed in ``seconds``, or (None) already there."""
+    shown = ", ".join(f"{n} {form}" for form, n in sorted(forms.items()) if n)
+    what = f"LoRA in slim space: {modules} modules ({shown}) on {tensors} slim tensors"
+    return f"{what}, already applied" if seconds is None else f"{what}, applied in {seconds:.2f} s, no fold"
+
+
 def vram_text(peak_allocated: int | None, peak_reserved: int | None, ram_rss: int | None,
               unet_bytes: int | None, saved_bytes: int | None, originals: str | None) -> str:
     """The ``SD Slim VRAM`` infotext value: CUDA peaks (RAM without CUDA) and the UNet weight change.

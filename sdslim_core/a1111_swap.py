@@ -3,11 +3,14 @@
 A host that owns its module tree (other code holds references to the UNet and its blocks) cannot replace the
 whole UNet. :class:`LiveSlim` swaps only the layers a fold changes (GEGLU ``proj``/``out``, ResBlock
 ``conv1``/``emb``/``norm2``/``conv2``) for fresh slim layers built by :func:`swap.build_slim_module`, keeps the
-originals (optionally on the CPU) and puts the very same objects back on :meth:`LiveSlim.restore`. Before the
-fold it calls the host's ``merge(layer)`` on every layer it reads, so lazily merged LoRA weights are what gets
-folded, and then the host's ``unmerge(layer)`` where the host keeps its layers unmerged (a LoRA added in the
-forward). Folded layers are cached by a host-chosen key. Loading a state dict into the UNet restores first (a
-load into slim shapes would fail) and drops the cache (the folds were made from the old weights).
+originals (optionally on the CPU) and puts the very same objects back on :meth:`LiveSlim.restore`. The fold reads
+each layer's weights through the host's ``read(layer)`` (e.g. its unmerged weights), or after the host's
+``merge(layer)`` (so lazily merged LoRA weights are what gets folded) and then its ``unmerge(layer)`` where the host
+keeps its layers unmerged (a LoRA added in the forward). LoRAs can instead be put on the installed slim layers in
+slim space (:meth:`LiveSlim.apply_loras`): their deltas are converted (:mod:`sdslim_core.lora_slim`) and added to
+the folded weights, kept pristine on the CPU meanwhile, so a LoRA or strength change costs no fold. Folded layers
+are cached by a host-chosen key, always pristine. Loading a state dict into the UNet restores first (a load into
+slim shapes would fail) and drops the cache (the folds were made from the old weights).
 Pure torch: no webui import.
 """
 from __future__ import annotations
@@ -23,6 +26,8 @@ from torch import nn
 
 from . import fold, layout, swap
 from .adapters import AdapterSet
+from .lora import apply_deltas, module_parts
+from .lora_slim import SlimSpace
 
 
 class SwapError(RuntimeError):
@@ -42,6 +47,16 @@ class SwapReport:
     @property
     def bytes_saved(self) -> int:
         return self.bytes_before - self.bytes_after
+
+
+@dataclass
+class LoraReport:
+    """What one :meth:`LiveSlim.apply_loras` did."""
+    modules: int           # LoRA modules on the slim layers
+    tensors: int           # slim weights and biases they change
+    forms: dict            # form (low-rank / dense / dropped) → modules
+    cached: bool           # these deltas were on the layers already (nothing computed)
+    seconds: float
 
 
 def param_bytes(module: nn.Module) -> int:
@@ -88,8 +103,11 @@ def _skeleton(layers: dict[str, nn.Module]) -> nn.Module:
     return root
 
 
-def _read(layer: nn.Module, path: str, merge, unmerge) -> dict[str, torch.Tensor]:
-    """``layer``'s own parameters by full name, after ``merge(layer)``; copies, then ``unmerge(layer)``, if given."""
+def _read(layer: nn.Module, path: str, merge, unmerge, read) -> dict[str, torch.Tensor]:
+    """``layer``'s own parameters by full name: ``read(layer)`` when given; else after ``merge(layer)``, copies and
+    then ``unmerge(layer)``, if given."""
+    if read is not None:
+        return {f"{path}.{n}": t for n, t in read(layer).items()}
     try:
         if merge is not None:
             merge(layer)
@@ -117,7 +135,11 @@ class LiveSlim:
         self.report: SwapReport | None = None        # report of the installed slim layers
         self._originals: dict[str, nn.Module] = {}    # path -> original layer object, while slim
         self._offload = False
-        self._cache: OrderedDict[Hashable, tuple[dict[str, nn.Module], SwapReport]] = OrderedDict()
+        self._cache: OrderedDict[Hashable, tuple[dict[str, nn.Module], SwapReport, SlimSpace]] = OrderedDict()
+        self.space: SlimSpace | None = None           # the installed fold's maps (LoRAs in slim space)
+        self.lora_key: Hashable | None = None         # key of the LoRA deltas on the slim layers, None when pristine
+        self.lora_report: LoraReport | None = None
+        self._pristine: dict[tuple[str, str], torch.Tensor] = {}   # (path, param) → folded value, on the CPU
         if hasattr(unet, "register_load_state_dict_pre_hook"):      # public from torch 2.5
             self._hook = unet.register_load_state_dict_pre_hook(self._before_load)
         else:                                                        # torch 2.1 (webui 1.10's default)
@@ -159,15 +181,18 @@ class LiveSlim:
     # ------------------------------------------------------------------------------------------ actions
     def apply(self, key: Hashable, adapter_set: AdapterSet, merge: Callable[[nn.Module], None] | None = None,
               offload: bool = False, compute_device: torch.device | str | None = None,
-              unmerge: Callable[[nn.Module], None] | None = None) -> SwapReport:
+              unmerge: Callable[[nn.Module], None] | None = None,
+              read: Callable[[nn.Module], dict] | None = None) -> SwapReport:
         """Install the slim layers for ``key`` (folding ``adapter_set`` unless cached); no-op if installed.
 
-        ``merge(layer)`` is called on each original layer before its weights are read (the host's lazy LoRA
-        merge); ``unmerge(layer)`` right after they are read (copied), also when reading fails, to put the
-        layer back as the host keeps it. ``offload`` moves the replaced originals to the CPU while slim.
-        ``compute_device`` is where the fold runs (default: where each layer lives). On any error the original
-        layers are back in place and :class:`SwapError` says why. A changed ``offload`` re-installs the cached
-        layers. The report says ``cached`` whenever no fold was computed (installed already, or from the cache).
+        ``read(layer)`` gives each original layer's weights to fold ({param name: tensor}, e.g. the host's
+        unmerged ones); without it, ``merge(layer)`` is called on each original layer before its weights are read
+        (the host's lazy LoRA merge) and ``unmerge(layer)`` right after they are read (copied), also when reading
+        fails, to put the layer back as the host keeps it. ``offload`` moves the replaced originals to the CPU
+        while slim. ``compute_device`` is where the fold runs (default: where each layer lives). On any error the
+        original layers are back in place and :class:`SwapError` says why. A changed ``offload`` re-installs the
+        cached layers. The report says ``cached`` whenever no fold was computed (installed already, or from the
+        cache). The installed layers carry no LoRA delta until :meth:`apply_loras`.
         """
         if self.key == key and self._offload == offload:
             self.report = replace(self.report, cached=True, seconds=0.0)
@@ -177,9 +202,9 @@ class LiveSlim:
         try:
             cached = self._cache.pop(key, None)
             if cached is None:
-                layers, report = self._fold(adapter_set, merge, unmerge, compute_device)
+                layers, report, space = self._fold(adapter_set, merge, unmerge, compute_device, read)
             else:
-                layers, report = cached
+                layers, report, space = cached
                 report = replace(report, cached=True)
             self._install(layers, offload)
         except Exception as err:
@@ -188,14 +213,54 @@ class LiveSlim:
                 raise
             raise SwapError(f"{type(err).__name__}: {err}") from err
         report.seconds = time.perf_counter() - t0
-        self.key, self.report = key, report
-        self._cache[key] = (layers, report)
+        self.key, self.report, self.space = key, report, space
+        self._cache[key] = (layers, report, space)
         while len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
         return report
 
+    def apply_loras(self, key: Hashable, modules, compute_device: torch.device | str | None = None) -> LoraReport:
+        """Give the installed slim layers the LoRA deltas of ``modules`` [(module made for the original layers,
+        weight strength, bias strength)], converted into slim space: W' = fold(W) + Σ s·ΔW' in float32 or wider
+        (the exact fold(W + Σ s·ΔW)); no-op when ``key`` is on them already, and an empty list gives back the
+        pristine folded values. ``compute_device``: where the sums run (default: where each layer lives). Modules
+        on norm2 are dropped (the fold replaces it); DoRA on a folded layer raises LoraError (fold it in instead)
+        before anything changes. The originals are not touched."""
+        if not self.installed:
+            raise SwapError("no slim layers are installed")
+        if self.lora_key == key:
+            self.lora_report = replace(self.lora_report, cached=True, seconds=0.0)
+            return self.lora_report
+        t0 = time.perf_counter()
+        modules = list(modules)
+        forms: dict[str, int] = {}
+        for mod, _, _ in modules:                           # refusals first: nothing changes on an error
+            form = self.space.form(mod)
+            forms[form] = forms.get(form, 0) + 1
+        plan: dict[tuple[str, str], list] = {}
+        for mod, weight_strength, bias_strength in modules:
+            for part in module_parts(mod):
+                strength = weight_strength if part == "weight" else bias_strength
+                for dest, new in self.space.convert_part(mod, part).items():
+                    plan.setdefault((new.target, dest), []).append((new, strength, dest))
+        self._reset_loras()
+        with torch.no_grad():
+            for (path, name), entries in plan.items():
+                param = getattr(self.unet.get_submodule(path), name)
+                if param is None:
+                    raise SwapError(f"{path} has no {name} for a LoRA delta to go to")
+                dev = torch.device(compute_device) if compute_device is not None else param.device
+                pristine = self._pristine.setdefault((path, name), param.detach().to("cpu", copy=True))
+                entries = [(replace(m, tensors={k: v.to(dev) for k, v in m.tensors.items()}), s, p)
+                           for m, s, p in entries]
+                param.copy_(apply_deltas(pristine.to(dev), entries, out_dtype=param.dtype))
+        self.lora_key = key
+        self.lora_report = LoraReport(len(modules), len(plan), forms, False, time.perf_counter() - t0)
+        return self.lora_report
+
     def restore(self):
         """Put the original layer objects back (on the device the slim layers were on); no-op if original."""
+        self._reset_loras()
         for path, orig in self._originals.items():
             parent, name = _split(path)
             owner = self.unet.get_submodule(parent)
@@ -205,7 +270,15 @@ class LiveSlim:
             if self._offload:
                 current.to("cpu")
         self._originals.clear()
-        self.key, self.report = None, None
+        self.key, self.report, self.space = None, None, None
+
+    def _reset_loras(self):
+        """The pristine folded values back on the slim layers (they are cached that way)."""
+        with torch.no_grad():
+            for (path, name), value in self._pristine.items():
+                getattr(self.unet.get_submodule(path), name).copy_(value)
+        self._pristine.clear()
+        self.lora_key, self.lora_report = None, None
 
     def close(self):
         """Restore, drop the cache and detach from the UNet."""
@@ -214,17 +287,18 @@ class LiveSlim:
         self._hook.remove()
 
     # ---------------------------------------------------------------------------------------- internals
-    def _fold(self, adapter_set: AdapterSet, merge, unmerge, compute_device):
+    def _fold(self, adapter_set: AdapterSet, merge, unmerge, compute_device, read):
         self.check(adapter_set)
         paths = self.layer_paths(adapter_set)
         originals = {p: self.unet.get_submodule(p) for p in paths}
-        folded, on_device = {}, {}
+        folded, on_device, full_shapes = {}, {}, {}
         with torch.no_grad():
             for site in adapter_set.sites:     # one site at a time: only its weights visit compute_device
                 weights = {}
                 for path, layer in originals.items():
                     if path.startswith(site + "."):
-                        weights.update(_read(layer, path, merge, unmerge))
+                        weights.update(_read(layer, path, merge, unmerge, read))
+                full_shapes.update({k: tuple(v.shape) for k, v in weights.items()})
                 home = next(iter(weights.values())).device
                 dev = torch.device(compute_device) if compute_device is not None else home
                 if dev not in on_device:
@@ -243,7 +317,8 @@ class LiveSlim:
                 layers[path] = new
         before = sum(param_bytes(originals[p]) for p in layers)
         after = sum(param_bytes(m) for m in layers.values())
-        return layers, SwapReport(len(adapter_set.sites), len(layers), before, after, False, 0.0)
+        space = SlimSpace(adapter_set, full_shapes)
+        return layers, SwapReport(len(adapter_set.sites), len(layers), before, after, False, 0.0), space
 
     def _install(self, layers: dict[str, nn.Module], offload: bool):
         self._offload = offload

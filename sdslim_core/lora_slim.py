@@ -75,7 +75,7 @@ class SlimSpace:
                             "longer has, so it cannot be applied in slim space; fold it instead: apply it to the "
                             "original checkpoint before slimming (sdslim slim --ckpt ORIGINAL --adapters ADAPTERS "
                             "--lora ...; in ComfyUI, a LoRA loader before Slim UNet)")
-        if role == "out" and "up_bias" in self.adapters.sites[site]:
+        if self._shifts_bias(mod):
             return DENSE                # the intercept c moves the net.2 bias by ΔW·c: a bias delta kohya can't carry
         if mod.kind == "lora" or mod.kind == "loha" and self._loha_rank_pays(mod, site, role):
             return LOW_RANK
@@ -120,6 +120,33 @@ class SlimSpace:
                 shift = fold.out_bias_shift(delta, ad["up_bias"], dt)
                 new["diff_b"] = new["diff_b"] + shift if "diff_b" in new else shift
         return dataclasses.replace(mod, kind="diff", tensors=new, scale_override=None)
+
+    def changes(self, mod: LoraModule, part: str) -> tuple[str, ...]:
+        """The parts of its slim layer that ``mod``'s ``part`` (``weight`` or ``bias``) changes: ``(part,)``, also
+        ``bias`` for a weight delta on a ``net.2`` whose site has an FF intercept (ΔW·c), ``()`` when dropped."""
+        form = self.form(mod)
+        if form == DROPPED:
+            return ()
+        if form == DENSE and part == "weight" and self._shifts_bias(mod):
+            return ("weight", "bias")
+        return (part,)
+
+    def convert_part(self, mod: LoraModule, part: str) -> dict[str, LoraModule]:
+        """``mod``'s ``part`` in slim space, by the part of the slim layer each result changes (see :meth:`changes`):
+        ``{part: module}``, with the intercept's bias shift of a ``net.2`` weight delta as a separate ``diff``
+        module under ``bias``; ``{}`` when dropped. Apply each with ``lora.apply_deltas(w, [(m, s, part)])`` at the
+        strength the original part would get, or hand it to a host as one patch per key."""
+        new = self.convert(mod, (part,))
+        if new is None:
+            return {}
+        if new is mod or part != "weight" or "diff_b" not in new.tensors:
+            return {part: new}
+        return {"weight": dataclasses.replace(new, tensors={"diff": new.tensors["diff"]}),
+                "bias": dataclasses.replace(new, tensors={"diff_b": new.tensors["diff_b"]})}
+
+    def _shifts_bias(self, mod: LoraModule) -> bool:
+        hit = self.roles.get(mod.target)
+        return hit is not None and hit[1] == "out" and "up_bias" in self.adapters.sites[hit[0]]
 
     def _loha_rank_pays(self, mod: LoraModule, site: str, role: str) -> bool:
         """Whether a plain LoHa on this layer is no dearer as its exact rank-k1·k2 factorisation than dense."""

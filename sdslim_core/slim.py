@@ -108,19 +108,35 @@ class _Reader:
         return self.lazy[key]
 
 
-def _site_reader(path, aset: AdapterSet, prefix: str = ""):
-    """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf."""
-    reader = _Reader(path)
+def site_reader(path, aset: AdapterSet, prefix: str = "") -> Callable[[str], dict]:
+    """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf.
 
+    The file is opened for each read and never held open (a reader may live as long as a host's model does), and
+    a file whose size or modification time changed since the reader was made is refused: its tensors may no longer
+    be the ones that were folded."""
+    path = Path(path)
+    stamp = _stamp(path)
     checked: set[str] = set()
 
     def read(site):
-        tensors = {n: reader[f"{prefix}{site}.{n}"] for n in aset.sites[site]}
+        if _stamp(path) != stamp:
+            raise SlimError(f"{path}: gone or changed (size or modification time) since it was opened, so its "
+                            "adapter tensors may not be the ones that were folded; load it again")
+        lazy = LazyStateDict(path)
+        tensors = {n: lazy[f"{prefix}{site}.{n}"] for n in aset.sites[site]}
         if site not in checked:
             aset.check_values(site, tensors)
             checked.add(site)
         return tensors
     return read
+
+
+def _stamp(path: Path) -> tuple:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _streamed_adapters(adapters, select: float):
@@ -133,7 +149,7 @@ def _streamed_adapters(adapters, select: float):
     aset = AdapterSet.load(adapters, lazy=True)
     if select < 1.0:
         aset = aset.select(select)
-    return aset, _site_reader(adapters, aset)
+    return aset, site_reader(adapters, aset)
 
 
 @dataclasses.dataclass
@@ -369,7 +385,7 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
         raise SlimError(f"{aset.source}: adapter ranks do not match the ranks {path} records (sdslim.ranks)")
     if aset.family != cfg.family:
         raise SlimError(f"{aset.source}: adapters for {aset.family}, the checkpoint is {cfg.family}")
-    return aset, _site_reader(read_from, aset, prefix)
+    return aset, site_reader(read_from, aset, prefix)
 
 
 @dataclasses.dataclass
@@ -416,6 +432,11 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
         for mod in mods:
             form = space.form(mod)
             forms[form] = forms.get(form, 0) + 1
+    plan: dict[str, list] = {}                       # slim key → [(module, strength, its part, the slim part)]
+    for entries in merger.plan.values():
+        for mod, strength, part in entries:
+            for dest in space.changes(mod, part):      # a net.2 delta under an FF intercept also moves the bias
+                plan.setdefault(f"{mod.target}.{dest}", []).append((mod, strength, part, dest))
     reader = _Reader(ckpt)
     inverse = {f: k for k, f in view.file_keys.items()}
     dev = torch.device(device)
@@ -423,13 +444,13 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
     def produce(fkey: str) -> torch.Tensor:
         t = reader[fkey]
         ckey = inverse.get(fkey)
-        if ckey not in merger.plan:
+        if ckey not in plan:
             return t
         entries = []
-        for mod, strength, part in merger.plan[ckey]:
-            new = space.convert(mod, (part,))
+        for mod, strength, part, dest in plan[ckey]:
+            new = space.convert_part(mod, part).get(dest)
             if new is not None:
-                entries.append((new, strength, part))
+                entries.append((new, strength, dest))
         return apply_deltas(t.to(dev), entries, out_dtype=t.dtype).cpu()
 
     new_meta = dict(lazy.metadata)
@@ -477,6 +498,11 @@ def _read_slim(path) -> tuple[LazyStateDict, dict, str, str, layout.UNetConfig, 
             except json.JSONDecodeError:
                 sd_meta[k] = v
     return lazy, mapping, naming, prefix, cfg, sd_meta
+
+
+def read_metadata(path) -> dict:
+    """The ``sdslim.*`` metadata of a slim checkpoint, JSON values decoded (FileFormatError if it is not one)."""
+    return _read_slim(path)[5]
 
 
 def load_slim_unet(path, dtype: torch.dtype | None = None, device="cpu"):

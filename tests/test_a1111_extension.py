@@ -63,7 +63,7 @@ def test_the_merged_lora_weight_is_what_gets_folded(session):
     # independent float64 fold of W0 + ΔW (value rows first, gate rows second)
     w0 = session.pristine.get_submodule(f"{FF}.net.0.proj").weight
     lw = session.lora["diffusion_model_" + f"{FF}.net.0.proj".replace(".", "_")]
-    merged = w0 + lw["up"] @ lw["down"] * (lw["alpha"] / 2) * 0.8
+    merged = w0 + lw["lora_up.weight"] @ lw["lora_down.weight"] * (float(lw["alpha"]) / 2) * 0.8
     aset = adapters.AdapterSet.load(session.adapter_file)
     m = merged.shape[0] // 2
     t = aset.sites[FF]
@@ -98,16 +98,115 @@ def test_restore_gives_back_the_same_parameter_objects_bit_identical(session):
     assert "SD Slim" not in _params(res.infotexts[0])
 
 
-def test_selection_change_restores_then_refolds_and_cache_hits_on_return(session):
+def _count_folds(monkeypatch):
+    from sdslim_core import fold
+    calls, real = [], fold.fold_state_dict
+    monkeypatch.setattr(fold, "fold_state_dict", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_lora_and_strength_changes_apply_in_slim_space_without_a_fold(session, monkeypatch):
+    folds = _count_folds(monkeypatch)
     p1, _ = session.generate("cat <lora:a:1.0>")
-    p2, _ = session.generate("cat <lora:a:0.5>")
-    assert not session.live.report.cached
-    assert torch.allclose(p2.standin_outputs[0], _reference(session, multiplier=0.5), atol=TOL, rtol=0)
+    assert folds and session.live.lora_report.modules == 5           # the five LoRA layers inside folded sites
+    folds.clear()
+    for multiplier in (0.5, -0.3, 0.0):
+        p, _ = session.generate(f"cat <lora:a:{multiplier}>")
+        assert torch.allclose(p.standin_outputs[0], _reference(session, multiplier=multiplier), atol=TOL, rtol=0)
     p3, _ = session.generate("cat <lora:a:1.0>")
-    assert session.live.report.cached
     assert torch.equal(p3.standin_outputs[0], p1.standin_outputs[0])
-    p4, _ = session.generate("cat")   # no LoRA at all: the Lora extension restores its backups, then we fold
+    p4, _ = session.generate("cat")                                  # no LoRA: the pristine fold
     assert torch.allclose(p4.standin_outputs[0], _reference(session, multiplier=0.0), atol=TOL, rtol=0)
+    assert not folds, "a LoRA or strength change must not fold again"
+    for path in LORA_LAYERS[:5]:            # the originals were never merged into while slim
+        assert getattr(session.live.original(path), "network_current_names", ()) == (), path
+
+
+def _lycoris(s):
+    """A LoHa on the GEGLU proj and a conv2, a full diff (with its bias) on conv1, a LoKr on emb (float64)."""
+    g = torch.Generator().manual_seed(21)
+
+    def r(*shape):
+        return 0.2 * torch.randn(*shape, generator=g, dtype=torch.float64)
+    net = {}
+    for path in (f"{FF}.net.0.proj", f"{RES}.out_layers.3"):
+        w = s.unet.get_submodule(path).weight
+        net["diffusion_model_" + path.replace(".", "_")] = {
+            "hada_w1_a": r(w.shape[0], 2), "hada_w1_b": r(2, w[0].numel()), "hada_w2_a": r(w.shape[0], 2),
+            "hada_w2_b": r(2, w[0].numel()), "alpha": torch.tensor(1.0, dtype=torch.float64)}
+    conv1 = s.unet.get_submodule(f"{RES}.in_layers.2")
+    net["diffusion_model_" + f"{RES}.in_layers.2".replace(".", "_")] = {"diff": r(*conv1.weight.shape),
+                                                                        "diff_b": r(conv1.weight.shape[0])}
+    emb = s.unet.get_submodule(f"{RES}.emb_layers.1").weight
+    net["diffusion_model_" + f"{RES}.emb_layers.1".replace(".", "_")] = {
+        "lokr_w1": r(2, 2), "lokr_w2_a": r(emb.shape[0] // 2, 3), "lokr_w2_b": r(3, emb.shape[1] // 2),
+        "alpha": torch.tensor(6.0, dtype=torch.float64)}
+    return net
+
+
+def _two_networks_reference(s, adapter_file, ma, mb, x):
+    """Train-time adapters on the original with both networks merged (independent float64 merge)."""
+    base = merged_reference(merged_reference(s.pristine, s.lora, ma), s.networks.available_networks["b"], mb)
+    model, _ = swap.attach_train_adapters(base, adapters.AdapterSet.load(adapter_file))
+    with torch.no_grad():
+        return model(x, torch.full((1,), 500), context=s.context)
+
+
+def test_lycoris_forms_and_an_ff_intercept_apply_in_slim_space_exactly(session, webui, monkeypatch):
+    """LoHa, LoKr and a full diff with its bias next to a LoRA on net.2 of a site with an FF intercept (which
+    moves the slim net.2 bias): the slim UNet equals the train-time adapters on the LoRA-merged original."""
+    aset = adapters.AdapterSet.load(session.adapter_file)
+    g = torch.Generator().manual_seed(5)
+    for t in aset.sites.values():
+        if "down_value" in t:
+            t["up_bias"] = 0.5 * torch.randn(t["up"].shape[0], generator=g)
+    aset.save(webui.adapters / "with_c.safetensors")
+    session.module.refresh_adapters()
+    session.networks.available_networks["b"] = _lycoris(session)
+    folds = _count_folds(monkeypatch)
+    for i, (ma, mb) in enumerate(((0.7, 1.0), (0.7, -0.4), (0.2, 0.6))):
+        p, _ = session.generate(f"cat <lora:a:{ma}> <lora:b:{mb}>", adapter="with_c.safetensors")
+        assert not p.standin_script_errors and session.live.lora_report.modules == 9
+        want = _two_networks_reference(session, webui.adapters / "with_c.safetensors", ma, mb, first_noise(11))
+        assert torch.allclose(p.standin_outputs[0], want, atol=TOL, rtol=0), (p.standin_outputs[0] - want).abs().max()
+        assert (len(folds) > 0) == (i == 0), "only the first generation folds"
+        folds.clear()
+    assert session.live.lora_report.forms == {"low-rank": 6, "dense": 3}   # net.2 (intercept), full diff, LoKr
+    bias = session.unet.get_submodule(f"{FF}.net.2").bias.detach().clone()
+    session.generate("cat", adapter="with_c.safetensors")
+    assert not torch.equal(bias, session.unet.get_submodule(f"{FF}.net.2").bias)   # the intercept's shift is gone
+
+
+def test_a_form_that_needs_the_full_weight_is_folded_in(session, capsys, monkeypatch):
+    """A LyCORIS bias term (computed into ΔW) on a folded layer: today's path, merged into the originals first."""
+    layer = f"{FF}.net.0.proj"
+    w = session.networks.available_networks["a"]["diffusion_model_" + layer.replace(".", "_")]
+    w["bias"] = 0.1 * torch.ones(w["lora_up.weight"].shape[0], w["lora_down.weight"].shape[1], dtype=torch.float64)
+    folds = _count_folds(monkeypatch)
+    p, _ = session.generate("cat <lora:a:0.8>")
+    assert "LyCORIS bias term on a folded layer needs the full-size weight" in capsys.readouterr().err
+    assert folds and session.live.lora_report.modules == 0
+    base = merged_reference(session.pristine, session.lora, 0.8)     # the LoRA with its bias term, by hand
+    with torch.no_grad():
+        base.get_submodule(layer).weight += 0.8 * (float(w["alpha"]) / 2) * w["bias"]
+    model, _ = swap.attach_train_adapters(base, adapters.AdapterSet.load(session.adapter_file))
+    with torch.no_grad():
+        want = model(first_noise(11), torch.full((1,), 500), context=session.context)
+    assert torch.allclose(p.standin_outputs[0], want, atol=TOL, rtol=0)
+
+
+def test_disable_after_loras_in_slim_space_gives_back_bit_identical_originals(session):
+    snap = session.snapshot()
+    session.generate("cat <lora:a:0.8>")
+    session.generate("cat <lora:a:0.3>")
+    p, _ = session.generate("cat <lora:a:0.3>", mode="Off")          # the extension merges into the originals
+    with torch.no_grad():
+        want = merged_reference(session.pristine, session.lora, 0.3)(first_noise(11), torch.full((1,), 500),
+                                                                     context=session.context)
+    assert torch.allclose(p.standin_outputs[0], want, atol=TOL, rtol=0)
+    p, _ = session.generate("cat", mode="Off")
+    session.assert_same_as(snap)
+    assert torch.equal(p.standin_outputs[0], _plain(session))
 
 
 def _plain(s, seed=11):
@@ -146,17 +245,19 @@ def test_functional_lora_mode_gives_back_unmerged_originals(session):
 
 def test_console_says_folded_only_when_it_folded_and_cached_otherwise(session, capsys):
     def lines():
-        return [ln for ln in capsys.readouterr().err.splitlines() if " sites (" in ln]
+        return [ln for ln in capsys.readouterr().err.splitlines() if "[SD Slim]" in ln]
     session.generate("cat <lora:a:0.8>")
     first = lines()
     m = re.fullmatch(r"\[SD Slim\] folded (15 sites \(46 layers, [0-9.]+ MiB saved\)) in [0-9.]+ s", first[0])
-    assert len(first) == 1 and m, first
+    assert len(first) == 2 and m, first
+    lora_line = r"\[SD Slim\] LoRA in slim space: 5 modules \(5 low-rank\) on 5 slim tensors, "
+    assert re.fullmatch(lora_line + r"applied in [0-9.]+ s, no fold", first[1]), first
     session.generate("cat <lora:a:0.8>")                      # nothing changed: the installed slim layers are used
-    session.generate("cat <lora:a:0.5>")                      # a new fold
-    session.generate("cat <lora:a:0.8>")                      # back from the cache
+    session.generate("cat <lora:a:0.5>")                      # another strength: no fold, the deltas again
     got = lines()
     cached = f"[SD Slim] cached: {m[1]}, no fold"
-    assert len(got) == 3 and got[0] == got[2] == cached and got[1].startswith("[SD Slim] folded 15 sites"), got
+    assert got[0] == got[2] == cached and re.fullmatch(lora_line + "already applied", got[1]), got
+    assert len(got) == 4 and re.fullmatch(lora_line + r"applied in [0-9.]+ s, no fold", got[3]), got
 
 
 def test_disable_in_settings_restores_at_once(session):

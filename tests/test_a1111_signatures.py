@@ -226,3 +226,19 @@ def test_script_hooks_are_upstream_hooks_and_accept_the_runner_call(webui):
         if name in RUNNER_KWARGS:
             inspect.signature(getattr(script, name)).bind(object(), *ui_values, **RUNNER_KWARGS[name])
     inspect.signature(script.postprocess).bind(object(), object(), *ui_values)
+
+
+def test_the_lora_reader_reads_only_recorded_attributes():
+    """sdslim_core.a1111_lora reads the Lora extension's network modules by attribute: each one it reads exists in
+    the recorded v1.10.1 classes (their own or NetworkModule's), as do the methods it calls."""
+    from sdslim_core import a1111_lora
+    base = WEBUI["network"]["NetworkModule"]
+    shared = set(base["attributes"]) | set(base["methods"])
+    for cls, (_, attrs) in a1111_lora._ATTRIBUTES.items():
+        module = next(m for m, names in WEBUI.items() if cls in names)
+        entry = WEBUI[module][cls]
+        assert entry["bases"] == ["network.NetworkModule"], cls
+        for attr in attrs.values():
+            assert attr in set(entry["attributes"]) | shared, f"{cls}.{attr} is not in webui v1.10.1"
+    assert {"dora_scale", "bias", "network", "network_key", "multiplier", "calc_scale"} <= shared
+    assert "dyn_dim" in WEBUI["network"]["Network"]["attributes"]

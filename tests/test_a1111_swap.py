@@ -160,3 +160,61 @@ def test_close_restores_and_detaches(unet_and_adapters):
     live.close()
     _assert_same(unet, snap)
     assert not unet._load_state_dict_pre_hooks
+
+
+def _lora_module(unet, path, seed, dora=False):
+    from sdslim_core.lora import LoraModule
+    g = torch.Generator().manual_seed(seed)
+    w = unet.get_submodule(path).weight
+    t = {"up": torch.randn(w.shape[0], 3, *([1, 1] if w.ndim == 4 else []), generator=g, dtype=torch.float64),
+         "down": torch.randn(3, *w.shape[1:], generator=g, dtype=torch.float64), "alpha": torch.tensor(1.5)}
+    if dora:
+        t["dora_scale"] = torch.ones(w.shape[0], 1, dtype=torch.float64)
+    return LoraModule("test", path, path, "lora", t, [path])
+
+
+def test_apply_loras_adds_the_converted_deltas_and_keeps_the_cache_pristine(unet_and_adapters):
+    """fold(W) + s·ΔW' on the slim layers equals fold(W + s·ΔW) (float64, an independent merge); an empty list
+    and a restore give back the very folded values; the originals are never touched."""
+    unet, aset = unet_and_adapters
+    snap = _snapshot(unet)
+    weights = {k: v.detach().clone() for k, v in unet.state_dict().items()}
+    paths = [f"{FF}.net.0.proj", f"{FF}.net.2", "input_blocks.1.0.in_layers.2", "input_blocks.1.0.out_layers.3"]
+    mods = [_lora_module(unet, p, i) for i, p in enumerate(paths)]
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    pristine = {k: v.detach().clone() for k, v in unet.state_dict().items()}
+    for strength in (0.8, -0.25):
+        report = live.apply_loras(("lora", strength), [(m, strength, strength) for m in mods])
+        assert report.modules == 4 and report.tensors == 4 and report.forms == {"low-rank": 4} and not report.cached
+        merged = dict(weights)
+        for m in mods:
+            up, down = m.tensors["up"].flatten(1), m.tensors["down"].flatten(1)
+            merged[m.target + ".weight"] = weights[m.target + ".weight"] + strength * 0.5 * (up @ down).reshape(
+                weights[m.target + ".weight"].shape)
+        want = fold.fold_state_dict(merged, aset)
+        now = unet.state_dict()
+        for key, ref in want.items():
+            assert torch.allclose(now[key], ref, atol=1e-12, rtol=0), key
+    assert live.apply_loras(("lora", -0.25), []).cached                 # same key: nothing computed
+    live.apply_loras((), [])
+    assert all(torch.equal(v, pristine[k]) for k, v in unet.state_dict().items())
+    live.apply_loras(("lora", 1.0), [(m, 1.0, 1.0) for m in mods])
+    live.restore()
+    _assert_same(unet, snap)
+    assert live.apply("k", aset).cached                                 # from the cache: pristine
+    assert all(torch.equal(v, pristine[k]) for k, v in unet.state_dict().items())
+
+
+def test_apply_loras_refuses_dora_on_a_folded_layer_before_changing_anything(unet_and_adapters):
+    from sdslim_core.lora import LoraError
+    unet, aset = unet_and_adapters
+    first, fine, dora = (_lora_module(unet, f"{FF}.net.2", 1), _lora_module(unet, f"{FF}.net.0.proj", 2),
+                         _lora_module(unet, f"{FF}.net.2", 3, dora=True))
+    live = LiveSlim(unet)
+    live.apply("k", aset)
+    live.apply_loras("a", [(first, 1.0, 1.0)])
+    before = {k: v.detach().clone() for k, v in unet.state_dict().items()}
+    with pytest.raises(LoraError, match="DoRA.*fold it instead"):
+        live.apply_loras("b", [(fine, 1.0, 1.0), (dora, 1.0, 1.0)])
+    assert live.lora_key == "a" and all(torch.equal(v, before[k]) for k, v in unet.state_dict().items())

@@ -192,7 +192,7 @@ def test_slim_equals_float64_reference_after_lora_and_leaves_input_untouched(pac
     got = slim.model.diffusion_model.state_dict()
     for site in aset.sites:
         for key, ref in pack.fold64(weights, aset.sites[site], site, aset.kind(site), deltas).items():
-            torch.testing.assert_close(got[key], ref, rtol=1e-9, atol=1e-10, msg=key)
+            torch.testing.assert_close(got[key], ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"{key}: {m}")
     torch.testing.assert_close(got[f"{FF}.net.2.bias"], weights[f"{FF}.net.2.bias"] + deltas[f"{FF}.net.2.bias"])
     # unslimmed keys keep their patches (lazy), norm2's patch is dropped, options/wrappers carried
     assert list(slim.patches) == ["diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"]
@@ -266,11 +266,6 @@ def test_refuses_quantised_weights_and_foreign_adapters(pack, model):
 
 # ------------------------------------------------------------------------------------------------ monitor
 
-class LoRAAdapter:          # named like ComfyUI's, which monitor recognises by name
-    def __init__(self, up, down):
-        self.weights = (up, down, None, None, None, None)
-
-
 class HookRef:
     pass
 
@@ -280,34 +275,158 @@ class Hook:
         self.hook_ref = HookRef()
 
 
-def test_misfit_patches_are_dropped_once_when_added(pack, model, caplog):
+def _with_intercept(aset, seed=4):
+    """``aset`` with an FF intercept (``up_bias``) on every FF site."""
+    g = torch.Generator().manual_seed(seed)
+    for site, t in aset.sites.items():
+        if "down_value" in t:
+            t["up_bias"] = 0.3 * torch.randn(t["up"].shape[0], generator=g, dtype=torch.float64)
+    return aset
+
+
+def _late_loras(pack, weights, g):
+    """Patches made for the full-size model, as ComfyUI's LoRA loader makes them (key → value), and their float64
+    ΔW per canonical key (strength 1): a LoRA on the GEGLU proj and on net.2 (under the intercept), a 3×3 LoCon on
+    conv1, a LoHa on conv2, a LoKr on emb, a full diff on a proj bias, and a LoRA on attention (not folded)."""
+    import comfy.weight_adapter as wa
+
+    def r(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=g, dtype=torch.float64)
+    proj, out, conv1, conv2, emb = (f"{FF}.net.0.proj", f"{FF}.net.2", f"{RES}.in_layers.2", f"{RES}.out_layers.3",
+                                    f"{RES}.emb_layers.1")
+    attn = "input_blocks.1.1.transformer_blocks.0.attn1.to_q"
+    patches, deltas = {}, {}
+    for layer, rank, alpha in ((proj, 4, 2.0), (out, 3, None), (conv1, 2, 1.0), (attn, 2, 4.0)):
+        w = weights[layer + ".weight"]
+        up, down = r(w.shape[0], rank, *([1, 1] if w.ndim == 4 else [])), r(rank, *w.shape[1:])
+        patches[f"diffusion_model.{layer}.weight"] = wa.LoRAAdapter(set(), (up, down, alpha, None, None, None))
+        deltas[layer + ".weight"] = (1.0 if alpha is None else alpha / rank) * (up.flatten(1) @ down.flatten(1)
+                                                                                ).reshape(w.shape)
+    w = weights[conv2 + ".weight"]
+    w1a, w1b, w2a, w2b = r(w.shape[0], 2), r(2, w[0].numel()), r(w.shape[0], 2), r(2, w[0].numel())
+    patches[f"diffusion_model.{conv2}.weight"] = wa.LoHaAdapter(set(), (w1a, w1b, 3.0, w2a, w2b, None, None, None))
+    deltas[conv2 + ".weight"] = 1.5 * ((w1a @ w1b) * (w2a @ w2b)).reshape(w.shape)
+    w = weights[emb + ".weight"]
+    w1, w2a, w2b = r(2, 2), r(w.shape[0] // 2, 2), r(2, w.shape[1] // 2)
+    patches[f"diffusion_model.{emb}.weight"] = wa.LoKrAdapter(set(), (w1, None, 4.0, None, None, w2a, w2b, None, None))
+    deltas[emb + ".weight"] = 2.0 * torch.kron(w1, w2a @ w2b)
+    b = r(weights[proj + ".bias"].shape[0])
+    patches[f"diffusion_model.{proj}.bias"] = ("diff", (b,))
+    deltas[proj + ".bias"] = b
+    return patches, deltas
+
+
+def _patched_unet(model):
+    """The slim model's UNet with its patches applied (the stand-in's ComfyUI patch math), as a state dict."""
+    import comfy.lora
+    sd = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    for key, entries in model.patches.items():
+        sd[key[len("diffusion_model."):]] = comfy.lora.calculate_weight(entries, sd[key[len("diffusion_model."):]], key,
+                                                                        intermediate_dtype=torch.float64)
+    return sd
+
+
+def test_loras_after_slim_are_converted_and_equal_the_fold_of_the_merged_weights(pack, model, monkeypatch):
+    """A LoRA added after Slim UNet equals fold(W + s·ΔW) in float64 (the float64 formulas of the fold), for every
+    form and strength, with ComfyUI patches of the slim size, and adding it never folds again."""
+    import comfy.weight_adapter as wa
+    patcher, weights = model
+    aset = _with_intercept(_aset(weights, 0.5))
+    slim = pack.folding.slim_patcher(patcher, aset)
+    patches, deltas = _late_loras(pack, weights, torch.Generator().manual_seed(6))
+    from sdslim_core import fold, lora_slim
+    calls, converts = [], []
+    real, real_convert = fold.fold_site, lora_slim.SlimSpace.convert
+    monkeypatch.setattr(fold, "fold_site", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(lora_slim.SlimSpace, "convert", lambda *a, **k: converts.append(1) or real_convert(*a, **k))
+    for i, strength in enumerate((1.0, 0.35, -0.8)):
+        later = slim.clone()
+        added = later.add_patches(patches, strength)
+        assert set(patches) <= set(added)
+        assert converts if i == 0 else not converts, "the same LoRA at another strength is not converted again"
+        converts.clear()
+        got = _patched_unet(later)
+        scaled = {k: strength * d for k, d in deltas.items()}
+        for site in (FF, RES):
+            for key, ref in pack.fold64(weights, aset.sites[site], site, aset.kind(site), scaled).items():
+                torch.testing.assert_close(got[key], ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"{key}: {m}")
+        attn = "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+        torch.testing.assert_close(got[attn], weights[attn] + scaled[attn], rtol=1e-12, atol=1e-12)
+    assert not calls                                                        # strength changes: no fold
+    proj_patch = later.patches[f"diffusion_model.{FF}.net.0.proj.weight"][0]
+    assert isinstance(proj_patch[1], wa.LoRAAdapter) and proj_patch[0] == -0.8          # same rank, slim rows
+    assert proj_patch[1].weights[0].shape == (2 * aset.rank(FF), 4) and proj_patch[1].weights[1].shape[0] == 4
+    bias_patch = later.patches[f"diffusion_model.{FF}.net.2.bias"][0]                   # the intercept's shift
+    assert bias_patch[1][0] == "diff" and bias_patch[0] == -0.8
+    loha = later.patches[f"diffusion_model.{RES}.out_layers.3.weight"][0][1]     # plain LoHa: a rank-2·2 LoRA
+    assert isinstance(loha, wa.LoRAAdapter) and loha.weights[1].shape == (4, aset.rank(RES), 3, 3)
+    lokr = later.patches[f"diffusion_model.{RES}.emb_layers.1.weight"][0][1]      # LoKr: dense, slim size
+    assert lokr[0] == "diff" and lokr[1][0].shape == (aset.rank(RES), weights[f"{RES}.emb_layers.1.weight"].shape[1])
+
+
+def test_forms_that_need_the_full_weight_are_refused_and_the_rest_dropped_once(pack, model, caplog):
+    import comfy.weight_adapter as wa
     patcher, weights = model
     slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
     later = slim.clone()
-    assert type(later) is type(slim) and isinstance(later, pack.patches.SlimPatcher)
-    sd = slim.model.diffusion_model.state_dict()
     full = weights[f"{FF}.net.0.proj.weight"].shape
+    up, down = torch.zeros(full[0], 4, dtype=torch.float64), torch.zeros(4, full[1], dtype=torch.float64)
+    dora = {f"diffusion_model.{FF}.net.0.proj.weight": wa.LoRAAdapter(set(), (up, down, 1.0, None,
+                                                                               torch.ones(full[0]), None))}
+    with pytest.raises(ValueError, match=r"DoRA on .*ff\.net\.0\.proj.*fold it instead.*before Slim UNet"):
+        later.add_patches(dora)
+    with pytest.raises(ValueError, match=r"OFT patch on .*ff\.net\.0\.proj.*before Slim UNet"):
+        later.add_patches({f"diffusion_model.{FF}.net.0.proj.weight": wa.OFTAdapter(set(), (None,))})
+    assert later.patches == {}                                       # a refusal adds nothing
+    sd = slim.model.diffusion_model.state_dict()
     attn = "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
-    lora = {f"diffusion_model.{FF}.net.0.proj.weight": LoRAAdapter(torch.zeros(full[0], 4), torch.zeros(4, full[1])),
-            f"diffusion_model.{FF}.net.2.weight": ("unknown form", None),
+    norm2 = f"diffusion_model.{RES}.out_layers.0.weight"
+    lora = {f"diffusion_model.{FF}.net.2.weight": ("unknown form", None),
             f"diffusion_model.{RES}.in_layers.2.weight": ("diff", (torch.zeros(sd[f"{RES}.in_layers.2.weight"].shape),)),
+            norm2: ("diff", (torch.zeros(weights[norm2[len("diffusion_model."):]].shape),)),
             attn: ("diff", (torch.zeros(sd[attn[len("diffusion_model."):]].shape),))}
     with caplog.at_level(logging.WARNING, logger="sdslim"):
         added = later.add_patches(lora)
     assert set(added) == set(lora)                           # dropped keys count as handled (no "NOT LOADED")
-    assert set(later.patches) == {attn, f"diffusion_model.{RES}.in_layers.2.weight"}   # the slim-sized one fits
+    assert set(later.patches) == {attn, f"diffusion_model.{RES}.in_layers.2.weight"}   # the slim-sized one is kept
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and "2 weight patch(es)" in msgs[0] and f"{FF}.net.0.proj.weight" in msgs[0]
+    assert len(msgs) == 2 and "1 weight patch(es)" in msgs[0] and f"{FF}.net.2.weight" in msgs[0]
+    assert f"{RES}.out_layers.0.weight" in msgs[1] and "lost" in msgs[1]
     caplog.clear()
     hook = Hook()
     with caplog.at_level(logging.WARNING, logger="sdslim"):
         for _ in range(3):                                    # ComfyUI registers hook patches at every sampling
             later.add_hook_patches(hook, lora)
     assert set(later.hook_patches[hook.hook_ref]) == {attn, f"diffusion_model.{RES}.in_layers.2.weight"}
-    assert len(caplog.records) == 1 and "hook" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 2 and all("hook" in r.getMessage() for r in caplog.records)
     # an original model's patcher is not a slim one: nothing is filtered
     plain = patcher.clone()
-    assert set(plain.add_patches({f"diffusion_model.{FF}.net.0.proj.weight": lora[f"diffusion_model.{FF}.net.0.proj.weight"]})) == {f"diffusion_model.{FF}.net.0.proj.weight"}
+    assert set(plain.add_patches(dora)) == set(dora)
+
+
+def test_hook_loras_on_the_slim_model_are_converted_like_loras(pack, model):
+    """Hook patches (added at sampling, or registered before Slim UNet) become the same slim patches as a LoRA."""
+    patcher, weights = model
+    aset = _with_intercept(_aset(weights, 0.5))
+    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(7))
+    src = patcher.clone()
+    before = Hook()
+    src.hook_patches = {before.hook_ref: {k: [(0.6, v, 1.0, None, None)] for k, v in patches.items()}}
+    slim = pack.folding.slim_patcher(src, aset)
+    hook = Hook()
+    later = slim.clone()
+    later.add_hook_patches(hook, patches, 0.6)
+    as_lora = slim.clone()
+    as_lora.add_patches(patches, 0.6)
+    for table in (later.hook_patches[hook.hook_ref], slim.hook_patches[before.hook_ref]):
+        assert set(table) == set(as_lora.patches)
+        for key, entries in table.items():
+            (want,) = as_lora.patches[key]
+            assert [e[0] for e in entries] == [want[0]]
+            import comfy.lora
+            w = slim.model.diffusion_model.state_dict()[key[len("diffusion_model."):]]
+            torch.testing.assert_close(comfy.lora.calculate_weight(entries, w.clone(), key),
+                                       comfy.lora.calculate_weight([want], w.clone(), key), rtol=0, atol=0)
 
 
 def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplog):

@@ -152,6 +152,47 @@ def test_slim_space_refusals_write_nothing(files, tmp_path):
     assert_same_unet(unet_tensors(tmp_path / "o.safetensors")[0], ref)
 
 
+def test_a_lora_on_net2_moves_the_slim_bias_under_an_ff_intercept(files, tmp_path):
+    """With ``up_bias`` c the slim net.2 bias is b_o + W_o·c, so a LoRA on net.2 (which has no bias part of its own)
+    also changes the slim bias: applying it to the slim checkpoint equals folding it in."""
+    d = files
+    aset = random_adapters(canonical_weights(seed=3), seed=4)
+    g = torch.Generator().manual_seed(8)
+    for t in aset.sites.values():
+        if "down_value" in t:
+            t["up_bias"] = torch.randn(t["up"].shape[0], generator=g, dtype=torch.float64)
+    aset.save(tmp_path / "with_c.safetensors")
+    slim.slim_checkpoint(d / "base.safetensors", tmp_path / "with_c.safetensors", tmp_path / "slim_c.safetensors")
+    lora_file = str(d / "kohya.safetensors")
+    slim.slim_checkpoint(tmp_path / "slim_c.safetensors", None, tmp_path / "after.safetensors", [(lora_file, 0.7)])
+    slim.slim_checkpoint(d / "base.safetensors", tmp_path / "with_c.safetensors", tmp_path / "before.safetensors",
+                         [(lora_file, 0.7)])
+    got, ref = unet_tensors(tmp_path / "after.safetensors")[0], unet_tensors(tmp_path / "before.safetensors")[0]
+    assert_same_unet(got, ref)
+    base = unet_tensors(tmp_path / "slim_c.safetensors")[0]
+    moved = [k for k in ref if k.endswith("ff.net.2.bias") and not torch.equal(ref[k], base[k])]
+    assert moved, "the kohya LoRA must reach a net.2 (else this proves nothing)"
+
+
+def test_a_site_reader_refuses_an_adapter_file_that_changed(files, tmp_path):
+    """Hosts keep a reader for as long as the slim model lives: a replaced file is not read as if it were the
+    one folded, and the file is not held open meanwhile (it can be replaced)."""
+    d = files
+    path = tmp_path / "adapters.safetensors"
+    path.write_bytes((d / "adapters.safetensors").read_bytes())
+    aset, _ = slim._streamed_adapters(path, 1.0)
+    read = slim.site_reader(path, aset)
+    site = next(iter(aset.sites))
+    first = read(site)
+    random_adapters(canonical_weights(seed=3), seed=6).save(path)          # atomic replace, as the trainer does
+    with pytest.raises(slim.SlimError, match="gone or changed"):
+        read(site)
+    os.remove(path)
+    with pytest.raises(slim.SlimError, match="gone or changed"):
+        read(site)
+    assert all(torch.is_tensor(v) for v in first.values())
+
+
 # ------------------------------------------------------------------------------------ `sdslim lora convert`
 
 def test_lora_convert_writes_a_kohya_file_that_plain_merging_applies_exactly(files, tmp_path, capsys):

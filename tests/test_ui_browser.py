@@ -325,7 +325,8 @@ def test_slim_writes_a_checkpoint_that_loads(page, root, capsys, tmp_path):
     out = root / "tiny_slim.safetensors"
     assert " ".join(status.split()) == f"Wrote {out}" and out.is_file()
     unet, cfg, meta = load_slim_unet(out)
-    assert meta["sdslim.loras"] == [{"file": "tiny_lora_green.safetensors", "strength": 0.8}]
+    assert meta["sdslim.loras"] == [{"file": "tiny_lora_green.safetensors", "strength": 0.8,
+                                     "applied": "before folding"}]
     slim_t, _ = load_file(out)
     orig_t, _ = load_file(root / "tiny_sd15.safetensors")
     unet_numel = [sum(v.numel() for k, v in t.items() if k.startswith("model.diffusion_model."))

@@ -17,7 +17,8 @@ from sdslim_core import adapters, layout, swap
 STANDIN = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(STANDIN))
 SCRIPT = os.path.join(ROOT, "scripts", "sdslim.py")
-STANDIN_MODULES = ("modules", "networks", "network", "gradio", "launch")
+STANDIN_MODULES = ("modules", "networks", "network", "network_lora", "network_hada", "network_lokr", "network_full",
+                   "gradio", "launch")
 
 
 def _purge():
@@ -132,8 +133,9 @@ def write_adapters(folder, unet, name="tiny.safetensors", ratio=0.5, seed=1):
     return path
 
 
-def lora_for(unet, layers, rank=2, seed=3):
-    """A LoRA on the given module paths of ``unet`` (network layer name → up/down/alpha), float64."""
+def lora_for(unet, layers, rank=2, seed=3, alpha=None):
+    """A LoRA on the given module paths of ``unet`` (network layer name → the file's tensors of that layer:
+    ``lora_up.weight``, ``lora_down.weight``, ``alpha``), float64; a conv's down factor has its kernel (LoCon)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for path in layers:
@@ -145,19 +147,39 @@ def lora_for(unet, layers, rank=2, seed=3):
             up = torch.randn(w.shape[0], rank, generator=g, dtype=torch.float64) * 0.3
             down = torch.randn(rank, fan_in, generator=g, dtype=torch.float64) * 0.3
             down = down.reshape((rank,) + tuple(w.shape[1:]))
-        out["diffusion_model_" + path.replace(".", "_")] = {"up": up, "down": down, "alpha": float(up.shape[1])}
+            if w.ndim == 4:
+                up = up[:, :, None, None]
+        out["diffusion_model_" + path.replace(".", "_")] = {
+            "lora_up.weight": up, "lora_down.weight": down,
+            "alpha": torch.tensor(float(up.shape[1] if alpha is None else alpha), dtype=torch.float64)}
     return out
 
 
+def delta64(w, shape):
+    """ΔW of one layer's file tensors (LoRA, LoHa, LoKr or full diff), format scale applied, float64."""
+    if "lora_up.weight" in w:
+        up, down = w["lora_up.weight"].flatten(1), w["lora_down.weight"].flatten(1)
+        return (up @ down * (float(w["alpha"]) / down.shape[0])).reshape(shape)
+    if "hada_w1_a" in w:
+        scale = float(w["alpha"]) / w["hada_w1_b"].shape[0] if "alpha" in w else 1.0
+        return ((w["hada_w1_a"] @ w["hada_w1_b"]) * (w["hada_w2_a"] @ w["hada_w2_b"]) * scale).reshape(shape)
+    if "diff" in w:
+        return w["diff"].reshape(shape)
+    scale = float(w["alpha"]) / w["lokr_w2_b"].shape[0] if "alpha" in w else 1.0
+    return (torch.kron(w["lokr_w1"], w["lokr_w2_a"] @ w["lokr_w2_b"]) * scale).reshape(shape)
+
+
 def merged_reference(pristine, lora_layers, multiplier):
-    """An independent LoRA merge: a copy of the pristine UNet with W + up@down·alpha/r·multiplier, float64."""
+    """An independent LoRA merge: a copy of the pristine UNet with W + multiplier·ΔW (and b + multiplier·diff_b),
+    float64."""
     ref = copy.deepcopy(pristine)
     with torch.no_grad():
         for name, w in lora_layers.items():
             path = name[len("diffusion_model_"):]
             layer = next(m for n, m in ref.named_modules() if n.replace(".", "_") == path)
-            delta = w["up"].flatten(1) @ w["down"].flatten(1) * (w["alpha"] / w["up"].shape[1]) * multiplier
-            layer.weight += delta.reshape(layer.weight.shape)
+            layer.weight += multiplier * delta64(w, layer.weight.shape)
+            if "diff_b" in w:
+                layer.bias += multiplier * w["diff_b"]
     return ref
 
 

@@ -19,7 +19,7 @@ import network
 from modules import devices, shared
 
 loaded_networks = []
-available_networks = {}          # name -> {network_layer_name: {"up", "down", "alpha"}} (set by the tests)
+available_networks = {}          # name -> {network_layer_name: {file suffix: tensor}} (set by the tests)
 extra_network_lora = types.SimpleNamespace(errors={})
 _PATCHED = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.GroupNorm)
 _originals = {}
@@ -44,9 +44,25 @@ def load_networks(names, te_multipliers=None, unet_multipliers=None, dyn_dims=No
         net.te_multiplier = te_multipliers[i] if te_multipliers else 1.0
         net.unet_multiplier = unet_multipliers[i] if unet_multipliers else 1.0
         net.dyn_dim = dyn_dims[i] if dyn_dims else None
-        net.modules = {k: network.NetworkModule(net, dict(w, sd_module=mapping.get(k)))
+        net.modules = {k: _module_type(w)(net, types.SimpleNamespace(network_key=k, sd_key=k, w=dict(w),
+                                                                     sd_module=mapping.get(k)))
                        for k, w in available_networks[name].items()}
         loaded_networks.append(net)
+
+
+def _module_type(w):
+    """The module class upstream's module types pick for a layer's tensors."""
+    import network_full
+    import network_hada
+    import network_lokr
+    import network_lora
+    if "lora_up.weight" in w:
+        return network_lora.NetworkModuleLora
+    if "hada_w1_a" in w:
+        return network_hada.NetworkModuleHada
+    if "diff" in w:
+        return network_full.NetworkModuleFull
+    return network_lokr.NetworkModuleLokr
 
 
 def network_restore_weights_from_backup(self):
@@ -88,8 +104,10 @@ def network_apply_weights(self):
             continue
         try:
             with torch.no_grad():
-                updown, _ = module.calc_updown(self.weight)
+                updown, ex_bias = module.calc_updown(self.weight)
                 self.weight.copy_(self.weight + updown)
+                if ex_bias is not None:
+                    self.bias.copy_(self.bias + ex_bias)
         except RuntimeError:
             extra_network_lora.errors[net.name] = extra_network_lora.errors.get(net.name, 0) + 1
     self.network_current_names = wanted

@@ -37,6 +37,10 @@ WEBUI = {
         "network_restore_weights_from_backup", "network_reset_cached_weight", "network_forward",
         "assign_network_names_to_compvis_modules", "extra_network_lora"]),
     "extensions-builtin/Lora/network.py": ("network", ["Network", "NetworkModule"]),
+    "extensions-builtin/Lora/network_lora.py": ("network_lora", ["NetworkModuleLora"]),
+    "extensions-builtin/Lora/network_hada.py": ("network_hada", ["NetworkModuleHada"]),
+    "extensions-builtin/Lora/network_lokr.py": ("network_lokr", ["NetworkModuleLokr"]),
+    "extensions-builtin/Lora/network_full.py": ("network_full", ["NetworkModuleFull"]),
 }
 GRADIO = {
     "gradio/layouts.py": ("gradio", ["Accordion", "Row"]),

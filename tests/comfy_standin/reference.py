@@ -12,9 +12,12 @@ def fold64(weights, tensors, site, kind, deltas=None):
     if kind == "ff":
         wp, bp, wo = w(f"{site}.net.0.proj.weight"), w(f"{site}.net.0.proj.bias"), w(f"{site}.net.2.weight")
         m = wo.shape[1]
-        return {f"{site}.net.0.proj.weight": torch.cat([t["down_value"] @ wp[:m], t["down_gate"] @ wp[m:]]),
-                f"{site}.net.0.proj.bias": torch.cat([t["down_value"] @ bp[:m], t["down_gate"] @ bp[m:]]),
-                f"{site}.net.2.weight": wo @ t["up"]}
+        out = {f"{site}.net.0.proj.weight": torch.cat([t["down_value"] @ wp[:m], t["down_gate"] @ wp[m:]]),
+               f"{site}.net.0.proj.bias": torch.cat([t["down_value"] @ bp[:m], t["down_gate"] @ bp[m:]]),
+               f"{site}.net.2.weight": wo @ t["up"]}
+        if "up_bias" in t:          # the intercept c: y = W_o (U h + c) + b_o, so b'_o = b_o + W_o c
+            out[f"{site}.net.2.bias"] = w(f"{site}.net.2.bias") + wo @ t["up_bias"]
+        return out
     d, u = t["down"], t["up"]
     return {f"{site}.in_layers.2.weight": torch.einsum("rc,cikl->rikl", d, w(f"{site}.in_layers.2.weight")),
             f"{site}.in_layers.2.bias": d @ w(f"{site}.in_layers.2.bias"),

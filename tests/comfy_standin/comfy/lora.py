@@ -1,12 +1,19 @@
-"""Stand-in for ``comfy.lora.calculate_weight``: ``("diff", (delta,))`` patches and nested lists only."""
+"""Stand-in for ``comfy.lora.calculate_weight``: ``("diff", (delta,))`` patches, weight adapters and nested lists."""
 import torch
+
+from comfy import weight_adapter
 
 
 def calculate_weight(patches, weight, key, intermediate_dtype=torch.float32, original_weights=None):
     for strength, value, strength_model, offset, function in patches:
+        function = function or (lambda a: a)
         if strength_model != 1.0:
             weight *= strength_model
+        if isinstance(value, weight_adapter.WeightAdapterBase):
+            weight = value.calculate_weight(weight, key, strength, strength_model, offset, function, intermediate_dtype,
+                                            original_weights)
+            continue
         if value[0] != "diff":
             raise NotImplementedError(f"stand-in supports 'diff' patches only, got {value[0]!r} for {key}")
-        weight += strength * value[1][0].to(weight.device, weight.dtype)
+        weight += function(strength * value[1][0].to(weight.device, weight.dtype))
     return weight

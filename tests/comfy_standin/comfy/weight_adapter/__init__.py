@@ -1,0 +1,40 @@
+"""Stand-in for ``comfy.weight_adapter``: the LoRA/LoHa/LoKr patch values of ComfyUI's LoRA loader (weights tuples
+in ComfyUI's order); only a plain LoRA computes its weight here."""
+import torch
+
+
+class WeightAdapterBase:
+    name = "base"
+
+    def __init__(self, loaded_keys, weights):
+        self.loaded_keys = loaded_keys
+        self.weights = weights
+
+
+class LoRAAdapter(WeightAdapterBase):
+    """weights: (up, down, alpha, mid, dora_scale, reshape); ΔW = (alpha/rank)·up·down (scale 1 without alpha)."""
+    name = "lora"
+
+    def calculate_weight(self, weight, key, strength, strength_model, offset, function,
+                         intermediate_dtype=torch.float32, original_weight=None):
+        up, down, alpha, mid, dora_scale, reshape = self.weights
+        if mid is not None or dora_scale is not None or reshape is not None:
+            raise NotImplementedError(f"stand-in LoRAAdapter: plain LoRA only ({key})")
+        scale = 1.0 if alpha is None else alpha / down.shape[0]
+        diff = (up.flatten(1).to(intermediate_dtype) @ down.flatten(1).to(intermediate_dtype)).reshape(weight.shape)
+        weight += function((strength * scale * diff).to(weight.dtype))
+        return weight
+
+
+class LoHaAdapter(WeightAdapterBase):
+    """weights: (w1a, w1b, alpha, w2a, w2b, t1, t2, dora_scale)."""
+    name = "loha"
+
+
+class LoKrAdapter(WeightAdapterBase):
+    """weights: (w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, t2, dora_scale)."""
+    name = "lokr"
+
+
+class OFTAdapter(WeightAdapterBase):
+    name = "oft"

@@ -55,11 +55,6 @@ def count(shapes: Mapping[str, tuple], mode: str = "exact", family: str = "sd15"
     return rows
 
 
-def weight_bytes(shapes: Mapping[str, tuple], bytes_per_param: int = 2) -> dict[str, int]:
-    """Row → bytes at a given storage size (2 for fp16/bf16)."""
-    return {k: v * bytes_per_param for k, v in count(shapes, "exact").items()}
-
-
 def table_rows(original: Mapping[str, int], slim: Mapping[str, int] | None = None) -> list[tuple]:
     """(label, params, share of the total, slim params or None, slim/original ratio or None) per table row."""
     total = original["total"] or 1

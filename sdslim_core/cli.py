@@ -25,6 +25,10 @@ COMMAND_MODULES = (
 USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency)
 
 
+class CommandImportError(ImportError):
+    """A command module failed to import (a bug or a broken install, never skipped silently)."""
+
+
 def error_text(command: str, err: BaseException) -> str:
     """The one-line error ``sdslim COMMAND`` prints for a bad input."""
     return f"sdslim {command}: error: {err}"
@@ -37,16 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
-            continue  # command not built yet
+        except Exception as err:
+            raise CommandImportError(f"sdslim: command module {name} failed to import: "
+                                     f"{type(err).__name__}: {err}") from err
         module.register(sub)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except CommandImportError as err:
+        print(err, file=sys.stderr)
+        return 1
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -303,13 +303,6 @@ def to_canonical(state_dict: Mapping, metadata: Mapping | None = None) -> tuple[
     return {diffusers_to_canonical_key(structure, k): v for k, v in unet.items()}, naming, prefix
 
 
-def from_canonical(canonical: Mapping, cfg: UNetConfig, naming: str, prefix: str = "") -> dict:
-    """Inverse of :func:`to_canonical`."""
-    if naming == "ldm":
-        return {prefix + k: v for k, v in canonical.items()}
-    return {prefix + canonical_to_diffusers_key(cfg, k): v for k, v in canonical.items()}
-
-
 # -------------------------------------------------------------------------------------------------- sites
 
 _FF_RX = re.compile(r"^(.*\.transformer_blocks\.\d+\.ff)\.net\.0\.proj\.weight$")

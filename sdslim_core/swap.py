@@ -184,13 +184,6 @@ def attach_train_adapters(unet: nn.Module, adapter_set: AdapterSet) -> tuple[nn.
     return out, adapters
 
 
-def adapters_from_modules(adapter_set: AdapterSet, adapters: Mapping[str, SiteAdapter],
-                          metadata: dict | None = None) -> AdapterSet:
-    """An :class:`AdapterSet` holding the current values of trained :class:`SiteAdapter` modules."""
-    return AdapterSet(adapter_set.family, {s: a.tensors() for s, a in adapters.items()},
-                      {s: adapter_set.groups(s) for s in adapters}, metadata or adapter_set.metadata)
-
-
 # ------------------------------------------------------------------------------------------------ slim tree
 
 def _new_like(old: nn.Module, ops, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

@@ -30,10 +30,6 @@ def make_site_adapter(site: str, kind: str, tensors: Mapping[str, torch.Tensor],
     return swap.SiteAdapter(site, kind, tensors, groups, eps=norm_eps)
 
 
-def norm2_eps(block: nn.Module, naming: str) -> float:
-    return block.get_submodule(layout.RES_LAYERS[naming]["norm2"]).eps
-
-
 def build_student(teacher_site: nn.Module, kind: str, naming: str, adapter: swap.SiteAdapter) -> nn.Module:
     """The site in train-time form: a structural clone of ``teacher_site`` whose layers are shared and wrapped
     with ``swap``'s FFDown/FFUp or ResDown/ResNorm/ResUp around ``adapter`` (the same computation that
@@ -62,14 +58,6 @@ def res_skip(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def call_site(module: nn.Module, kind: str, x: torch.Tensor, emb: torch.Tensor | None = None) -> torch.Tensor:
     return module(x) if kind == "ff" else module(x, emb)
-
-
-def site_output(module: nn.Module, kind: str, x, emb=None, teacher_block: nn.Module | None = None):
-    """The site output (FF output, or ResBlock output minus its skip path)."""
-    y = call_site(module, kind, x, emb)
-    if kind == "res":
-        y = y - res_skip(teacher_block if teacher_block is not None else module, x)
-    return y
 
 
 # --------------------------------------------------------------------------------------------- Theseus gate

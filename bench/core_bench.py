@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from sdslim_core import adapters, breakdown, fold, layout, swap
+from sdslim_core import adapters, breakdown, fold, layout, rank_policy, swap
 from sdslim_core.breakdown_cli import canonical_shapes_for_arch
 from sdslim_core.unet import build_diffusers_unet
 
@@ -46,7 +46,7 @@ def count_table():
         shapes, _ = canonical_shapes_for_arch(arch)
         orig = breakdown.count(shapes)["total"]
         for ratio in RATIOS:
-            ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
+            ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), ratio)
             slim = breakdown.count(fold.slim_shapes(shapes, ranks))["total"]
             print(f"{arch:<6}{ratio:>6}{orig:>16,}{slim:>16,}{slim / orig:>7.3f}{orig * 2 / 2**30:>10.3f}"
                   f"{slim * 2 / 2**30:>10.3f}{meta_flops_ratio(arch, ratio):>9.3f}")
@@ -79,7 +79,7 @@ def latency(repeats: int):
     weights = layout.to_canonical(unet.state_dict())[0]
     models = {"original": unet}
     for ratio in RATIOS:
-        aset = adapters.AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), ratio), "sd15")
+        aset = adapters.AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), ratio), "sd15")
         models[f"slim {ratio}"] = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset)).eval()
     x, t, ctx = torch.randn(1, 4, 64, 64), torch.tensor([500]), torch.randn(1, 77, 768)
     with torch.inference_mode():

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from sdslim_core import adapters, fidelity, layout, lora, quant, tiny, tiny_data  # noqa: E402
+from sdslim_core import adapters, fidelity, layout, lora, quant, rank_policy, tiny, tiny_data  # noqa: E402
 from sdslim_core.demo import FULL, PROMPTS_SEED  # noqa: E402
 from sdslim_core.sampling import diffusers_fn  # noqa: E402
 from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402
@@ -43,7 +43,7 @@ def sd15_half() -> float:
     """SD1.5's slim/original parameter ratio at uniform width ½ (real layout, counted on shapes)."""
     from sdslim_core.unet import canonical_shapes
     shapes = canonical_shapes(layout.config_for_arch("sd15"))
-    ranks = adapters.ranks_for_ratio(layout.sites(shapes), 0.5)
+    ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), 0.5)
     return ranks_mod.slim_param_count(shapes, ranks) / ranks_mod.slim_param_count(shapes, {})
 
 
@@ -53,7 +53,7 @@ def uniform_ratio_for(shapes: dict, target: float) -> float:
     full = ranks_mod.slim_param_count(shapes, {})
 
     def params(r):
-        return ranks_mod.slim_param_count(shapes, adapters.ranks_for_ratio(site_list, r)) / full
+        return ranks_mod.slim_param_count(shapes, rank_policy.ranks_for_ratio(site_list, r)) / full
     grid = [i / 200 for i in range(1, 201)]
     return min(grid, key=lambda r: (abs(params(r) - target), -r))
 
@@ -121,7 +121,7 @@ def ablation(t: Teacher, ratio: float, work: Path) -> dict:
     out: dict = {}
     for site in run.site_order:
         s = run.site_by_name[site]
-        r = adapters.rank_for_ratio(s.width, ratio, s.kind)
+        r = rank_policy.rank_for_ratio(s.width, ratio, s.kind)
         si, _ = run._site_init(site)
         st = si.stats
 
@@ -134,8 +134,8 @@ def ablation(t: Teacher, ratio: float, work: Path) -> dict:
                      "+ OBS selection": err(st.obs(r, intercept=False), 0),
                      "+ intercept (up_bias)": err(st.obs(r), 0)}
         else:
-            old = adapters.DEFAULT_GROUPS if r == s.width else adapters.norm_groups_for(r)
-            groups = adapters.res_groups(s.width, r)
+            old = rank_policy.DEFAULT_GROUPS if r == s.width else rank_policy.norm_groups_for(r)
+            groups = rank_policy.res_groups(s.width, r)
             steps = {"v0.1 act_select": err(st.act_select(r), old),
                      "+ whole norm2 groups": err(st.obs(r, greedy=False), groups),
                      "+ OBS selection": err(st.obs(r), groups)}

@@ -179,10 +179,10 @@ def generate_checkpoint(path: Path, shapes: dict, seed: int = 0, cfg=None):
 def dense_adapters(shapes: dict, ratio: float, seed: int = 1):
     """Dense random adapters for every site (as trained adapters are; no selection shortcut)."""
     import torch
-    from sdslim_core import adapters, layout
+    from sdslim_core import adapters, layout, rank_policy
     g = torch.Generator().manual_seed(seed)
     site_list = layout.sites(shapes)
-    ranks = adapters.ranks_for_ratio(site_list, ratio)
+    ranks = rank_policy.ranks_for_ratio(site_list, ratio)
     sites, groups = {}, {}
     for s in site_list:
         r, m = ranks[s.name], s.width
@@ -194,7 +194,7 @@ def dense_adapters(shapes: dict, ratio: float, seed: int = 1):
         else:
             sites[s.name] = {"down": rnd(r, m), "norm.weight": 1 + 0.1 * torch.randn(r, generator=g),
                              "norm.bias": 0.1 * torch.randn(r, generator=g), "up": rnd(m, r)}
-            groups[s.name] = adapters.norm_groups_for(r)
+            groups[s.name] = rank_policy.norm_groups_for(r)
     return adapters.AdapterSet("sd15", sites, {k: v for k, v in groups.items() if v != 32})
 
 

@@ -7,21 +7,20 @@ Metadata: ``sdslim.format``=``sdslim-adapters``, ``sdslim.version`` (``1``, or `
 ``sdslim.family``, ``sdslim.norm_groups`` (JSON site→groups where not 32), free JSON (``sdslim.train``,
 ``sdslim.base``).
 
-GroupNorm rule (:func:`res_groups`): every SD ResBlock's ``norm2`` has 32 groups, so a c-wide site has groups of
-c/32 channels. A Res bottleneck keeps whole groups (its rank is a multiple of c/32 and its norm has rank/(c/32)
-groups): kept channels are then normalised over exactly the channels the teacher normalises them with.
+Ranks and GroupNorm groups of Res bottlenecks follow :mod:`sdslim_core.rank_policy`.
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
-from . import layout
+from . import layout, rank_policy
 from .safetensors_io import FileFormatError, all_finite, load_file, read_header, save_file_atomic
+from .unet import canonical_shapes
 
 FORMAT = "sdslim-adapters"
 VERSION = 2                           # written only when a file needs it (``up_bias``); version 1 otherwise
@@ -29,54 +28,10 @@ READ_VERSIONS = ("1", "2")
 FF_TENSORS = ("down_value", "down_gate", "up")
 FF_OPTIONAL = ("up_bias",)
 RES_TENSORS = ("down", "norm.weight", "norm.bias", "up")
-DEFAULT_GROUPS = 32                   # GroupNorm groups of every SD1.x/2.x/XL ResBlock norm2
 
 
 class AdapterError(FileFormatError):
     """An adapter file or set is invalid; the message names the file and key."""
-
-
-def norm_groups_for(rank: int, preferred: int = DEFAULT_GROUPS) -> int:
-    """GroupNorm groups for a bottleneck of width ``rank``: the largest divisor of ``rank`` ≤ ``preferred``."""
-    return max(g for g in range(1, min(preferred, rank) + 1) if rank % g == 0)
-
-
-def group_size(width: int) -> int:
-    """Channels per ``norm2`` group of a ``width``-wide ResBlock (1 when 32 does not divide the width)."""
-    return width // DEFAULT_GROUPS if width % DEFAULT_GROUPS == 0 else 1
-
-
-def res_groups(width: int, rank: int) -> int:
-    """GroupNorm groups of a Res bottleneck of ``rank`` channels at a ``width``-wide site: whole teacher groups
-    (``rank / group_size``) when the rank allows it, else the largest divisor of the rank ≤ 32."""
-    k = group_size(width)
-    return rank // k if rank % k == 0 else norm_groups_for(rank)
-
-
-def rank_for_ratio(width: int, ratio: float, kind: str) -> int:
-    """Bottleneck width for a width fraction. Res ranks are rounded to whole ``norm2`` groups (a multiple of
-    ``group_size(width)``, at least one group), so the bottleneck can keep the teacher's normalisation."""
-    if not 0 < ratio <= 1:
-        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-    r = max(1, int(round(width * ratio)))
-    if kind == "res":
-        k = group_size(width)
-        r = min(width, k * max(1, int(round(r / k))))
-    return r
-
-
-def ranks_for_ratio(site_list: Iterable[layout.Site], ratio: float | None = None, ff_ratio: float | None = None,
-                    res_ratio: float | None = None) -> dict[str, int]:
-    """Uniform width fractions, with optional per-kind overrides; a kind whose ratio is 1 keeps full width
-    (its sites are still listed, so they fold to identity only when the adapter is the identity)."""
-    out = {}
-    for s in site_list:
-        r = ff_ratio if s.kind == "ff" else res_ratio
-        r = ratio if r is None else r
-        if r is None:
-            continue
-        out[s.name] = rank_for_ratio(s.width, r, s.kind)
-    return out
 
 
 class AdapterSet:
@@ -100,7 +55,7 @@ class AdapterSet:
         return (t["down_value"] if "down_value" in t else t["down"]).shape[0]
 
     def groups(self, site: str) -> int:
-        return self.norm_groups.get(site, DEFAULT_GROUPS)
+        return self.norm_groups.get(site, rank_policy.DEFAULT_GROUPS)
 
     def ranks(self) -> dict[str, int]:
         return {s: self.rank(s) for s in self.sites}
@@ -193,7 +148,7 @@ class AdapterSet:
         meta = dict(self.metadata)
         version = VERSION if any("up_bias" in t for t in self.sites.values()) else 1
         meta.update({"sdslim.format": FORMAT, "sdslim.version": str(version), "sdslim.family": self.family})
-        groups = {s: g for s, g in self.norm_groups.items() if g != DEFAULT_GROUPS}
+        groups = {s: g for s, g in self.norm_groups.items() if g != rank_policy.DEFAULT_GROUPS}
         if groups:
             meta["sdslim.norm_groups"] = groups
         tensors = {k: (v if dtype is None else v.to(dtype)).detach().cpu() for k, v in self.state_dict().items()}
@@ -249,10 +204,9 @@ class AdapterSet:
     def shaped_like(cls, cfg: layout.UNetConfig, ratio: float) -> "AdapterSet":
         """Adapters of the right shapes for every site of ``cfg`` at ``ratio``, keeping the first r units of each
         site with a unit bottleneck norm: no weights or data needed. For memory, speed and shape work only."""
-        from .unet import canonical_shapes
         site_list = layout.sites(canonical_shapes(cfg))
         sites, groups = {}, {}
-        for site, r in ranks_for_ratio(site_list, ratio).items():
+        for site, r in rank_policy.ranks_for_ratio(site_list, ratio).items():
             kind = next(s for s in site_list if s.name == site)
             sel = torch.eye(kind.width)[:r]
             if kind.kind == "ff":
@@ -260,8 +214,8 @@ class AdapterSet:
             else:
                 sites[site] = {"down": sel, "norm.weight": torch.ones(r), "norm.bias": torch.zeros(r),
                                "up": sel.t().contiguous()}
-                if res_groups(kind.width, r) != DEFAULT_GROUPS:
-                    groups[site] = res_groups(kind.width, r)
+                if rank_policy.res_groups(kind.width, r) != rank_policy.DEFAULT_GROUPS:
+                    groups[site] = rank_policy.res_groups(kind.width, r)
         return cls(cfg.family, sites, groups)
 
     @classmethod
@@ -289,11 +243,11 @@ class AdapterSet:
                 score = w1.flatten(1).norm(dim=1) * w2.transpose(0, 1).flatten(1).norm(dim=1)
                 sel = _selection(score, r).to(dt)
                 idx = sel.argmax(dim=1)
-                g = res_groups(s.width, r)
+                g = rank_policy.res_groups(s.width, r)
                 sites[site] = {"down": sel, "norm.weight": weights[f"{site}.out_layers.0.weight"].to(dt)[idx],
                                "norm.bias": weights[f"{site}.out_layers.0.bias"].to(dt)[idx],
                                "up": sel.t().contiguous()}
-                if g != DEFAULT_GROUPS:
+                if g != rank_policy.DEFAULT_GROUPS:
                     groups[site] = g
         return cls(family, sites, groups, metadata)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from . import adapters, breakdown, fold, layout
+from . import breakdown, fold, layout, rank_policy
 
 
 def canonical_shapes_for_arch(arch: str) -> tuple[dict, layout.UNetConfig]:
@@ -27,7 +27,7 @@ def breakdown_result(arch: str | None = None, ckpt=None, mode: str = "exact", ra
     shapes, cfg = canonical_shapes_for_arch(arch) if arch else canonical_shapes_for_file(ckpt)
     result = {"family": cfg.family, "mode": mode, **breakdown.count(shapes, mode, cfg.family)}
     if ratio is not None:
-        ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
+        ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), ratio)
         result["slim"] = {"ratio": ratio, **breakdown.count(fold.slim_shapes(shapes, ranks), mode, cfg.family)}
     if mode == "seed" and cfg.family == "sdxl":
         result["footnote"] = breakdown.SEED_FOOTNOTE

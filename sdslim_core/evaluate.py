@@ -32,11 +32,13 @@ from typing import Sequence
 import torch
 
 
-from . import layout, sampling
+from . import layout, quant, sampling
 from .adapters import AdapterSet
-from .fidelity import jsonable
+from .fidelity import Candidates, Probe, compare as compare_with, forward_flops, jsonable, reference
 from .lora import merge_loras
 from .safetensors_io import FileFormatError, LazyStateDict, read_header
+from .tiny import load_tiny_pipeline
+from .train.augment import skip_rms, smooth_residuals
 from .unet import load_diffusers_unet, open_checkpoint
 
 TINY_META = "sdslim.tiny.text_config"
@@ -136,7 +138,6 @@ class _Setup:
         self.pooled = None
         self.decode, self.image_note = None, None
         if TINY_META in self.checkpoint.metadata:
-            from .tiny import load_tiny_pipeline
             pipe = load_tiny_pipeline(self.checkpoint.path)
             self.teacher = pipe.unet
             self.schedule = pipe.schedule
@@ -203,7 +204,6 @@ COMPARE = ("fp8", "q8_0", "q4_0", "slim+fp8")
 
 
 def _ladder_row(label, r: dict, weights: dict, method, flops: float, teacher_params: int) -> dict:
-    from . import quant
     n = sum(v.numel() for v in weights.values())
     keys = ("latent_psnr_db", "image_psnr_db", "image_psnr_db_median", "image_ssim", "eps_rel_error",
             "guided_eps_rel_error",
@@ -219,8 +219,6 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
              compare: Sequence[str] = ()) -> dict:
     """Compare the teacher (``ckpt``) with its slim form (``adapters`` folded), with ``loras`` for the LoRA-effect
     cosine, and with each ``compare`` alternative (:data:`COMPARE`) in the ladder; returns a dict."""
-    from .fidelity import Candidates, Probe, compare as compare_with, forward_flops, reference
-    from .train.augment import skip_rms, smooth_residuals
     if seeds < 1:
         raise ValueError("--seeds must be at least 1")
     unknown = sorted(set(compare) - set(COMPARE))

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import sampling
+from . import fold, quant, sampling
+from .unet import load_diffusers_unet
 
 
 # --------------------------------------------------------------------------------------------- metrics
@@ -219,7 +220,6 @@ class Candidates:
         self.lora_delta = lora_delta or {}
 
     def unet(self, weights: dict, norm_groups: dict | None = None) -> nn.Module:
-        from .unet import load_diffusers_unet
         return load_diffusers_unet(weights, self.cfg, norm_groups=norm_groups).eval()
 
     def _with_lora(self) -> dict:
@@ -227,7 +227,6 @@ class Candidates:
 
     def quantised(self, method: str) -> tuple[nn.Module, nn.Module | None, dict]:
         """(model, model + LoRA or None, its canonical weights) for a weight-storage ``method``."""
-        from . import quant
         stored = quant.round_trip(self.weights, method)
         lora = None
         if self.lora_delta:
@@ -240,7 +239,6 @@ class Candidates:
 
     def slim(self, aset, method: str | None = None) -> tuple[nn.Module, nn.Module | None, dict]:
         """(slim model, slim model + LoRA or None, its canonical weights), optionally stored with ``method``."""
-        from . import fold, quant
         groups = {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"}
 
         def build(weights):

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from . import fold, layout
-from .adapters import AdapterSet, norm_groups_for
+from .adapters import AdapterSet
+from .rank_policy import norm_groups_for
 from .lora import LoraMerger, MergeReport, apply_deltas
 from .lora_slim import SlimSpace
 from .safetensors_io import FileFormatError, LazyStateDict, file_sha256, read_header
-from .unet import UNET_CONFIG_KEY, open_checkpoint
+from .unet import UNET_CONFIG_KEY, load_diffusers_unet, open_checkpoint
 
 SLIM_KEY = "sdslim.slim"
 ADAPTER_PREFIX = layout.SDSLIM_TENSORS + "adapters."   # embedded adapter tensors: ADAPTER_PREFIX + "<site>.<tensor>"
@@ -510,7 +511,6 @@ def load_slim_unet(path, dtype: torch.dtype | None = None, device="cpu"):
 
     ``dtype`` defaults to the file's UNet dtype.
     """
-    from .unet import load_diffusers_unet
     lazy, mapping, _, _, cfg, meta = _read_slim(path)
     weights = {k: lazy[f] for k, f in mapping.items()}
     dtype = dtype or next(iter(weights.values())).dtype

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import sampling, tiny_text, unet as unet_mod
+from . import lora, sampling, tiny_text, unet as unet_mod
 from .safetensors_io import FileFormatError, load_file
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -91,7 +91,6 @@ class TinyPipeline:
 
     def unet_with_loras(self, loras) -> torch.nn.Module:
         """A new diffusers UNet with ``loras`` = [(path, strength), …] merged (via :mod:`sdslim_core.lora`)."""
-        from . import lora
         weights = self.checkpoint.weights
         merged, _ = lora.merge_loras(weights, loras, self.checkpoint.config)
         full = {k: merged.get(k, weights[k]) for k in weights}

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from . import layout
-from .adapters import norm_groups_for
+from .rank_policy import norm_groups_for
 from .safetensors_io import FileFormatError, LazyStateDict
 
 UNET_CONFIG_KEY = "sdslim.unet_config"

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import tiny_config
-from sdslim_core import adapters, layout
+from sdslim_core import layout, rank_policy
 from sdslim_core.adapters import AdapterError, AdapterSet
 from sdslim_core.unet import build_diffusers_unet
 
@@ -18,7 +18,7 @@ def weights():
 
 @pytest.fixture
 def aset(weights):
-    return AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), 0.5), "sd15")
+    return AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), 0.5), "sd15")
 
 
 def test_round_trip(tmp_path, aset, weights):
@@ -34,13 +34,13 @@ def test_round_trip(tmp_path, aset, weights):
 def test_res_ranks_keep_whole_norm2_groups():
     """SD's norm2 has 32 groups: a 320-wide block has groups of 10 channels, so Res ranks are multiples of 10 and
     the bottleneck norm has one group per kept group; FF ranks are plain fractions."""
-    assert adapters.rank_for_ratio(320, 0.5, "res") == 160 and adapters.res_groups(320, 160) == 16
-    assert adapters.rank_for_ratio(320, 0.75, "res") == 240 and adapters.res_groups(320, 240) == 24
-    assert adapters.rank_for_ratio(640, 0.01, "res") == 20 and adapters.res_groups(640, 20) == 1
-    assert adapters.res_groups(320, 320) == 32 and adapters.res_groups(64, 32) == 16
-    assert adapters.rank_for_ratio(48, 0.5, "res") == 24 and adapters.res_groups(48, 24) == 24   # 32 ∤ 48: per channel
-    assert adapters.rank_for_ratio(1280 * 4, 0.5, "ff") == 2560
-    assert adapters.norm_groups_for(80) == 20 and adapters.norm_groups_for(7) == 7
+    assert rank_policy.rank_for_ratio(320, 0.5, "res") == 160 and rank_policy.res_groups(320, 160) == 16
+    assert rank_policy.rank_for_ratio(320, 0.75, "res") == 240 and rank_policy.res_groups(320, 240) == 24
+    assert rank_policy.rank_for_ratio(640, 0.01, "res") == 20 and rank_policy.res_groups(640, 20) == 1
+    assert rank_policy.res_groups(320, 320) == 32 and rank_policy.res_groups(64, 32) == 16
+    assert rank_policy.rank_for_ratio(48, 0.5, "res") == 24 and rank_policy.res_groups(48, 24) == 24   # 32 ∤ 48: per channel
+    assert rank_policy.rank_for_ratio(1280 * 4, 0.5, "ff") == 2560
+    assert rank_policy.norm_groups_for(80) == 20 and rank_policy.norm_groups_for(7) == 7
 
 
 def test_select_by_recorded_error(aset):

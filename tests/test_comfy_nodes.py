@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ldm_unet, randomize_, tiny_config
-from sdslim_core import adapters, breakdown, layout
+from sdslim_core import adapters, breakdown, layout, rank_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "comfy_standin")
@@ -72,7 +72,7 @@ def model(pack):
 
 
 def _aset(weights, ratio, seed=1):
-    ranks = adapters.ranks_for_ratio(layout.sites(weights), ratio)
+    ranks = rank_policy.ranks_for_ratio(layout.sites(weights), ratio)
     aset = adapters.AdapterSet.init_select(weights, ranks, "sd15")
     if ratio < 1:
         g = torch.Generator().manual_seed(seed)

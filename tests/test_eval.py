@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sdslim_core import adapters, evaluate, fidelity, layout
+from sdslim_core import adapters, evaluate, fidelity, layout, rank_policy
 from sdslim_core.safetensors_io import save_file_atomic
 from sdslim_core.tiny import DEFAULT_PATH
 
@@ -21,7 +21,7 @@ def weights():
 
 
 def identity(weights):
-    return adapters.AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), 1.0), "sd15")
+    return adapters.AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), 1.0), "sd15")
 
 
 def kohya_lora(weights, path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import randomize_, tiny_config
-from sdslim_core import adapters, fidelity, fold, layout, quant, swap, tiny
+from sdslim_core import adapters, fidelity, fold, layout, quant, rank_policy, swap, tiny
 from sdslim_core.train import Calibration, TrainConfig, train_adapters
 from sdslim_core.train.augment import Augmenter
 from sdslim_core.train.calibration import InputBank, unet_call
@@ -70,7 +70,7 @@ def test_whole_group_bottleneck_keeps_the_teachers_normalisation_exactly():
     sel = torch.zeros(8, 64, dtype=torch.float64)
     sel[torch.arange(8), idx] = 1
     outs = {}
-    for name, groups in (("whole groups", adapters.res_groups(64, 8)), ("per channel", 8)):
+    for name, groups in (("whole groups", rank_policy.res_groups(64, 8)), ("per channel", 8)):
         tensors = {"down": sel, "norm.weight": block.norm2.weight[idx].detach(),
                    "norm.bias": block.norm2.bias[idx].detach(), "up": sel.T.contiguous()}
         student = build_student(block, "res", "diffusers",
@@ -84,7 +84,7 @@ def test_whole_group_bottleneck_keeps_the_teachers_normalisation_exactly():
         h1.remove()
         h2.remove()
         outs[name] = (got["s"] - got["t"][:, idx]).abs().max().item()
-    assert adapters.res_groups(64, 8) == 4
+    assert rank_policy.res_groups(64, 8) == 4
     assert outs["whole groups"] < 1e-12 and outs["per channel"] > 1e-3
 
 
@@ -116,7 +116,7 @@ def test_ff_intercept_folds_exactly_into_the_output_bias_with_a_lora_merged_firs
 def test_adapter_file_with_intercept_is_version_2_and_round_trips(tmp_path):
     shapes_unet = build_diffusers_unet(tiny_config(), device="meta")
     canon = {k: torch.randn(v.shape) for k, v in layout.to_canonical(shapes_unet.state_dict())[0].items()}
-    aset = adapters.AdapterSet.init_select(canon, adapters.ranks_for_ratio(layout.sites(canon), 0.5), "sd15")
+    aset = adapters.AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(layout.sites(canon), 0.5), "sd15")
     plain = aset.save(tmp_path / "plain.safetensors")
     site = next(s for s in aset.sites if aset.kind(s) == "ff")
     aset.sites[site]["up_bias"] = torch.randn(aset.sites[site]["up"].shape[0])

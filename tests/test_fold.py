@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import randomize_, tiny_config
-from sdslim_core import adapters, fold, layout, swap
+from sdslim_core import adapters, fold, layout, rank_policy, swap
 
 TOL = 1e-10
 
@@ -16,7 +16,7 @@ def rel_err(a, b):
 def random_adapters(weights, ratio, family="sd15", seed=1, ff_only=False):
     """Data-free init, then random perturbation so nothing is a plain selection."""
     site_list = [s for s in layout.sites(weights) if not ff_only or s.kind == "ff"]
-    ranks = adapters.ranks_for_ratio(site_list, ratio)
+    ranks = rank_policy.ranks_for_ratio(site_list, ratio)
     aset = adapters.AdapterSet.init_select(weights, ranks, family)
     g = torch.Generator().manual_seed(seed)
     for t in aset.sites.values():
@@ -105,7 +105,7 @@ def test_tiny_ldm_unet_slim_equals_train_time(tiny_ldm_unet):
 def test_identity_adapters_give_the_original_model(tiny_diffusers_unet):
     unet = tiny_diffusers_unet
     weights = layout.to_canonical(unet.state_dict())[0]
-    aset = adapters.AdapterSet.init_select(weights, adapters.ranks_for_ratio(layout.sites(weights), 1.0), "sd15")
+    aset = adapters.AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), 1.0), "sd15")
     slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
     x, t, ctx = _inputs(tiny_config())
     with torch.no_grad():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdslim_core import adapters, fold, layout
+from sdslim_core import fold, layout, rank_policy
 from sdslim_core.unet import canonical_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_dry_run_vram_measured_next_to_estimate(dry):
 
 def _slim_params(cfg, ratio):
     shapes = canonical_shapes(cfg)
-    ranks = adapters.ranks_for_ratio(layout.sites(shapes), ratio)
+    ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), ratio)
     return sum(math.prod(s) for s in fold.slim_shapes(shapes, ranks).values())
 
 

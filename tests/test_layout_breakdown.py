@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from sdslim_core import adapters, breakdown, fold, layout
+from sdslim_core import breakdown, fold, layout, rank_policy
 from sdslim_core.breakdown_cli import canonical_shapes_for_arch
 from sdslim_core.safetensors_io import save_file_atomic
 from sdslim_core.unet import build_diffusers_unet, open_checkpoint
@@ -54,7 +54,7 @@ def test_seed_table_sdxl_reproducible_rows_and_exact_total():
 @pytest.mark.parametrize("arch,expected_m", [("sd15", 528), ("sdxl", 1796)])
 def test_half_ratio_slim_counts(arch, expected_m):
     shapes, _ = canonical_shapes_for_arch(arch)
-    ranks = adapters.ranks_for_ratio(layout.sites(shapes), 0.5)
+    ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), 0.5)
     slim = breakdown.count(fold.slim_shapes(shapes, ranks), "exact")["total"]
     assert abs(slim / 1e6 - expected_m) < 1.0
 

@@ -91,14 +91,14 @@ def test_cli_errors_exit_2_and_write_nothing(files, capsys, tmp_path):
 def test_eval_sdxl_structure_identity_is_exact(tmp_path, capsys):
     """SDXL needs pooled-text and size conditioning; identity adapters still give exactly the teacher."""
     from conftest import randomize_, tiny_config
-    from sdslim_core import adapters, layout
+    from sdslim_core import adapters, layout, rank_policy
     from sdslim_core.unet import build_diffusers_unet
     cfg = tiny_config("sdxl")
     unet = randomize_(build_diffusers_unet(cfg), seed=3)
     w = layout.to_canonical(unet.state_dict())[0]
     save_file_atomic({"model.diffusion_model." + k: v for k, v in w.items()}, tmp_path / "xl.safetensors",
                      {"sdslim.unet_config": json.dumps(cfg.to_dict())})
-    adapters.AdapterSet.init_select(w, adapters.ranks_for_ratio(layout.sites(w), 1.0), "sdxl").save(
+    adapters.AdapterSet.init_select(w, rank_policy.ranks_for_ratio(layout.sites(w), 1.0), "sdxl").save(
         tmp_path / "id.safetensors")
     rc, out, _ = run(capsys, "eval", "--ckpt", tmp_path / "xl.safetensors", "--adapters", tmp_path / "id.safetensors",
                      "--seeds", "1", "--steps", "2", "--latent-size", "8", "--no-png", "--json")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import ldm_unet, randomize_, tiny_config
-from sdslim_core import adapters, fold, layout, slim, swap
+from sdslim_core import adapters, fold, layout, rank_policy, slim, swap
 from sdslim_core.safetensors_io import load_file, read_header, save_file_atomic
 
 CFG = tiny_config()
@@ -34,7 +34,7 @@ def write_ldm_checkpoint(path, weights):
 
 def random_adapters(weights, ratio=0.5, seed=1):
     """Data-free init, then perturbed so nothing is a plain selection (as in test_fold)."""
-    ranks = adapters.ranks_for_ratio(layout.sites(weights), ratio)
+    ranks = rank_policy.ranks_for_ratio(layout.sites(weights), ratio)
     aset = adapters.AdapterSet.init_select(weights, ranks, "sd15")
     g = torch.Generator().manual_seed(seed)
     for t in aset.sites.values():
@@ -228,7 +228,7 @@ def test_diffusers_folder_fp16_and_norm2_warning(tmp_path):
     save_file_atomic({layout.canonical_to_diffusers_key(CFG, k): v for k, v in w.items()},
                      folder / "diffusion_pytorch_model.safetensors", {"sdslim.unet_config": json.dumps(CFG.to_dict())})
     w32 = {k: v.float() for k, v in w.items()}
-    aset = adapters.AdapterSet.init_select(w32, adapters.ranks_for_ratio(layout.sites(w32), 0.5), "sd15")
+    aset = adapters.AdapterSet.init_select(w32, rank_policy.ranks_for_ratio(layout.sites(w32), 0.5), "sd15")
     lora_sd = {"lora_unet_down_blocks_0_resnets_0_norm2.w_norm": torch.full((32,), 0.1),
                "lora_unet_down_blocks_0_resnets_0_norm2.b_norm": torch.full((32,), 0.1)}
     save_file_atomic(lora_sd, tmp_path / "norm.safetensors")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import randomize_, tiny_config
-from sdslim_core import adapters, layout, swap
+from sdslim_core import adapters, layout, rank_policy, swap
 from sdslim_core.train import calibration as cal
 from sdslim_core.train import checkpoint, ranks as ranks_mod
 from sdslim_core.train.config import TrainConfig, parse_budget
@@ -27,7 +27,7 @@ def _canon(unet):
 
 def _perturbed(canon, ratio=0.5, seed=1):
     site_list = layout.sites(canon)
-    aset = adapters.AdapterSet.init_select(canon, adapters.ranks_for_ratio(site_list, ratio), "sd15")
+    aset = adapters.AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(site_list, ratio), "sd15")
     g = torch.Generator().manual_seed(seed)
     for t in aset.sites.values():
         for k, v in t.items():
@@ -221,7 +221,7 @@ def test_ratio_ranks_overrides_and_groups():
             assert r[s.name] == 48
         else:
             assert r[s.name] == max(1, round(s.width * 0.25))
-            assert r[s.name] % adapters.norm_groups_for(r[s.name]) == 0
+            assert r[s.name] % rank_policy.norm_groups_for(r[s.name]) == 0
     only_ff = ranks_mod.ratio_ranks(site_list, TrainConfig(ff_ratio=0.5))
     assert {layout.site_kind(s) for s in only_ff} == {"ff"}
     with pytest.raises(ValueError):
@@ -323,7 +323,7 @@ def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
     from sdslim_core.vram.settings import Settings
     cfg = tiny_config()
     shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(cfg, device="meta")).items()}
-    ranks = adapters.ranks_for_ratio(layout.sites(shapes), 0.5)
+    ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), 0.5)
     monkeypatch.setenv(vram._ENV, json.dumps(ranks))
     with torch.device("meta"):
         tree = vram.estimator_model(Settings(unet_config=layout.diffusers_config(cfg), resolution=64))

@@ -53,14 +53,14 @@ SHOTS = os.environ.get("SDSLIM_UI_SCREENSHOTS")
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """The one folder the UI may use: the tiny shipped model, its LoRA, data-free adapters and a broken file."""
-    from sdslim_core import adapters, layout
+    from sdslim_core import adapters, layout, rank_policy
     from sdslim_core.unet import open_checkpoint
     d = tmp_path_factory.mktemp("models")
     for name in ("tiny_sd15.safetensors", "tiny_lora_green.safetensors"):
         shutil.copy(os.path.join(ASSETS, name), d / name)
     ck = open_checkpoint(d / "tiny_sd15.safetensors")
     w = {k: ck.weights[k] for k in ck.weights.keys()}
-    adapters.AdapterSet.init_select(w, adapters.ranks_for_ratio(layout.sites(w), 0.5), "sd15").save(
+    adapters.AdapterSet.init_select(w, rank_policy.ranks_for_ratio(layout.sites(w), 0.5), "sd15").save(
         d / "tiny_adapters.safetensors")
     (d / "broken_adapters.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
     return d

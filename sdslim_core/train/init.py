@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import adapters, layout
+from .. import adapters, layout, rank_policy
 from .sites import SiteData, build_student, make_site_adapter
 
 _RIDGE = 1e-6
@@ -302,7 +302,7 @@ class ResStats:
 
 
 def _groups(r: int, width: int) -> int:
-    return adapters.res_groups(width, r)
+    return rank_policy.res_groups(width, r)
 
 
 def random_tensors(kind: str, width: int, r: int, seed: int) -> dict:

@@ -1,14 +1,14 @@
 """Ranks per site: uniform ratios with per-kind overrides, or a parameter/byte budget allocated greedily from
 measured error-vs-rank curves (spend parameters where they cut error most per parameter).
 
-Res ranks are whole ``norm2`` groups and the adapter's norm keeps them (``adapters.res_groups``).
+Res ranks are whole ``norm2`` groups and the adapter's norm keeps them (``rank_policy.res_groups``).
 """
 from __future__ import annotations
 
 import math
 from typing import Iterable, Mapping
 
-from .. import adapters, fold, layout
+from .. import fold, layout, rank_policy
 from .config import TrainConfig, parse_budget
 
 
@@ -35,7 +35,7 @@ def ratio_ranks(site_list: Iterable[layout.Site], tc: TrainConfig) -> dict[str, 
     """Ranks for ``--ratio`` / ``--ff-ratio`` / ``--ff-rank`` / ``--res-ratio`` (sites of a kind without a
     value are not slimmed; a full-width rank means the site is left as it is)."""
     site_list = list(site_list)
-    ranks = adapters.ranks_for_ratio(site_list, tc.ratio, tc.ff_ratio, tc.res_ratio)
+    ranks = rank_policy.ranks_for_ratio(site_list, tc.ratio, tc.ff_ratio, tc.res_ratio)
     if tc.ff_rank is not None:
         for s in site_list:
             if s.kind == "ff":
@@ -45,7 +45,7 @@ def ratio_ranks(site_list: Iterable[layout.Site], tc: TrainConfig) -> dict[str, 
 
 def rank_grid(site: layout.Site, fractions: Iterable[float]) -> list[int]:
     """Candidate ranks of one site (increasing, below the full width)."""
-    out = sorted({adapters.rank_for_ratio(site.width, f, site.kind) for f in fractions if 0 < f < 1})
+    out = sorted({rank_policy.rank_for_ratio(site.width, f, site.kind) for f in fractions if 0 < f < 1})
     return [r for r in out if r < site.width]
 
 
@@ -53,14 +53,14 @@ def budget_params(tc: TrainConfig, site_list: Iterable[layout.Site] = (), shapes
     """The whole-UNet parameter budget: ``--budget``, or the slim parameter count of uniform ``--ratio``."""
     if tc.budget is not None:
         return parse_budget(tc.budget, tc.budget_bytes_per_param)[2]
-    ranks = adapters.ranks_for_ratio(list(site_list), tc.ratio)
+    ranks = rank_policy.ranks_for_ratio(list(site_list), tc.ratio)
     return slim_param_count(shapes, {s: r for s, r in ranks.items()})
 
 
 def uniform_total(site_list: Iterable[layout.Site], ratio: float, full: float, per_rank: Mapping[str, float]) -> float:
     """A linear resource (e.g. FLOPs) of the slim UNet at uniform ``ratio``: the budget ``--budget-by flops`` uses."""
     return full - sum(per_rank[s.name] * (s.width - r) for s in site_list
-                      for r in [adapters.rank_for_ratio(s.width, ratio, s.kind)] if s.name in per_rank)
+                      for r in [rank_policy.rank_for_ratio(s.width, ratio, s.kind)] if s.name in per_rank)
 
 
 def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curves: Mapping[str, Mapping[int, float]],

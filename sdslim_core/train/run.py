@@ -20,16 +20,16 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from .. import adapters as adapters_mod
-from .. import layout, optional, swap
+from .. import layout, optional, rank_policy, swap
 from ..adapters import AdapterSet
 from ..safetensors_io import load_file, save_file_atomic
 from ..unet import load_diffusers_unet
 from . import calibration as cal
-from . import dist, ranks as ranks_mod, report as report_mod, sensitivity, stage1, stage2
+from . import dist, ranks as ranks_mod, report as report_mod, sensitivity, stage1, stage2, vram
 from .config import TrainConfig
 from .init import SiteInit
 from .sites import SiteData, build_student, make_site_adapter
+from .vram import adapter_param_count
 
 DEFAULT_LATENT = {"sd15": 64, "sd2": 96, "sdxl": 128}
 TRAIN_META_VERSION = 1
@@ -262,7 +262,6 @@ class Run:
         bf16 copies fit next to the fp16 teacher and a 1.5 GiB margin (activations of the checkpointed UNet at
         batch 1, CUDA context, allocator slack) in 92% of the GPU's memory (finished groups run folded, their
         teacher layers off the device, so the teacher is the most the other sites ever take)."""
-        from .vram import adapter_param_count
         tc = self.tc
         if tc.stage2_groups != "auto":
             return int(tc.stage2_groups)
@@ -412,7 +411,7 @@ class Run:
                     curve = {}
                     for r in grids[site]:
                         one = AdapterSet(self.cfg.family, {site: si.tensors(method, r)},
-                                         {site: adapters_mod.res_groups(si.site.width, r)} if si.site.kind == "res"
+                                         {site: rank_policy.res_groups(si.site.width, r)} if si.site.kind == "res"
                                          else {})
                         curve[r] = sensitivity.e2e_error(teacher, one, self.bank, ids, self.device,
                                                          self.compute_dtype, self.amp) ** 2
@@ -482,7 +481,7 @@ class Run:
             sites[site] = {k.split("/", 1)[1]: v for k, v in tensors.items()}
             r = ranks[site]
             if self.site_by_name[site].kind == "res":
-                groups[site] = adapters_mod.res_groups(self.site_by_name[site].width, r)
+                groups[site] = rank_policy.res_groups(self.site_by_name[site].width, r)
             table.append(row)
             errs[site] = row["errors"][row["chosen"]]
         aset = AdapterSet(self.cfg.family, sites, groups)
@@ -573,7 +572,6 @@ class Run:
         report.steps = {"stage1_per_site": tc.stage1_steps, "stage2": tc.stage2_steps}
         self.timing["total_s"] = time.perf_counter() - started
         report.timing = dict(self.timing)
-        from .vram import adapter_param_count
         shapes = self.shapes
         report.params = {"original": ranks_mod.slim_param_count(shapes, {}),
                          "slim": ranks_mod.slim_param_count(shapes, final.ranks()),
@@ -616,7 +614,6 @@ class Run:
         })
 
     def predict_vram(self, ranks: dict) -> dict:
-        from . import vram
         opt = self.optimizer_name if self.device.type == "cuda" else \
             ("adamw8bit" if self.tc.optimizer == "adamw8bit" else "adamw")
         try:

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from ..adapters import AdapterSet
 from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
+from .calibration import _gen
 from .sites import build_student, call_site, make_site_adapter
 
 
 def batch_ids(n: int, bs: int, step: int, keys: tuple) -> torch.Tensor:
     """Indices of minibatch ``step``: consecutive slices of per-epoch permutations of range(n) (a pure function
     of the keys and the step, so the data cursor is the step itself)."""
-    from .calibration import _gen
     bs = min(bs, n)
     start = step * bs
     out = []

@@ -20,12 +20,13 @@ import time
 
 import torch
 
-from .. import layout
+from .. import fold, layout, swap
 from ..adapters import AdapterSet
+from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
 from .augment import Augmenter
 from .calibration import InputBank, _gen, unet_call
-from .sites import FeatureRecorder, gated_tree, set_gates
+from .sites import FeatureRecorder, _set_child, gated_tree, set_gates
 from .stage1 import batch_ids, eval_interval, lr_at
 
 
@@ -92,8 +93,6 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
     """The stage-2 module: ``group``'s sites (default all) gated between the teacher and trainable train-time
     adapters; the ``done`` sites (earlier groups) replaced by their folded students, whose teacher layers leave
     the device; every other site is the teacher."""
-    from .. import fold, swap
-    from .sites import _set_child
     # a "mixed" teacher has earlier groups' layers off the device already: keep them there
     teacher = run.teacher if run._teacher_on == "mixed" else run.teacher_on_device()
     group = [s for s in run.site_order if s in aset.sites] if group is None else list(group)
@@ -121,7 +120,6 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
 @torch.no_grad()
 def measure(run, aset: AdapterSet, bank: InputBank) -> float:
     """All-student UNet error in the folded (slim) form: no adapter tensors on the device."""
-    from .. import fold, swap
     teacher = run.teacher_on_device()
     canon, _, _ = layout.to_canonical(dict(teacher.state_dict()))
     slim = swap.build_slim_module(teacher, aset, fold.fold_state_dict(canon, aset)).eval()
@@ -169,7 +167,6 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
     device), later groups stay teacher. Early stopping in a group measures the model as it stands (students up to
     this group); after the last group that is the all-student UNet.
     """
-    from ..safetensors_io import load_file, save_file_atomic
     tc = run.tc
     sizes = {s: sum(v.numel() for v in t.values()) for s, t in aset.sites.items()}
     groups = split_groups(run.site_order, sizes, run.stage2_groups)

@@ -98,7 +98,8 @@ def _site_pixels(site: str, cfg, latent: int, cache: dict) -> int:
 def _empty_adapter_set(by_name: dict, ranks: dict):
     """An :class:`AdapterSet` of empty tensors (fake-tensor safe: its validation, which reads values, is skipped)."""
     import torch
-    from ..adapters import AdapterSet, res_groups
+    from ..adapters import AdapterSet
+    from ..rank_policy import res_groups
     tensors, groups = {}, {}
     for site, r in ranks.items():
         s = by_name[site]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from sdslim_core import adapters, layout, swap
+from sdslim_core import adapters, layout, rank_policy, swap
 
 STANDIN = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(STANDIN))
@@ -121,7 +121,7 @@ def write_adapters(folder, unet, name="tiny.safetensors", ratio=0.5, seed=1):
     canon = {k: v.detach() for k, v in unet.state_dict().items()}
     cfg = layout.config_from_state_dict(canon)
     sites = layout.sites(canon)
-    aset = adapters.AdapterSet.init_select(canon, adapters.ranks_for_ratio(sites, ratio), cfg.family)
+    aset = adapters.AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(sites, ratio), cfg.family)
     g = torch.Generator().manual_seed(seed)
     for t in aset.sites.values():
         for k in t:

@@ -87,12 +87,12 @@ def tiny(comfy):
 @pytest.fixture(scope="module")
 def adapter_dir(comfy, tiny, tmp_path_factory):
     """models/sdslim in a temp dir holding half-width and full-width adapter files for the tiny model."""
-    from sdslim_core import adapters, layout
+    from sdslim_core import adapters, layout, rank_policy
     folder = tmp_path_factory.mktemp("sdslim_models")
     comfy["folder_paths"].add_model_folder_path("sdslim", str(folder), is_default=True)   # trained files land here
     _, weights = tiny
     for name, ratio in (("half.safetensors", 0.5), ("full.safetensors", 1.0)):
-        ranks = adapters.ranks_for_ratio(layout.sites(weights), ratio)
+        ranks = rank_policy.ranks_for_ratio(layout.sites(weights), ratio)
         aset = adapters.AdapterSet.init_select(weights, ranks, "sd15")
         g = torch.Generator().manual_seed(1)
         if ratio < 1:   # non-trivial adapters: random mixing, not a selection
@@ -337,8 +337,8 @@ def test_report_breakdown_and_monitor_nodes(comfy, tiny, adapter_dir):
 
 def test_errors_name_the_file_and_key(comfy, tiny, adapter_dir, tmp_path):
     patcher, weights = tiny
-    from sdslim_core import adapters, layout
-    ranks = adapters.ranks_for_ratio(layout.sites(weights), 0.5)
+    from sdslim_core import adapters, layout, rank_policy
+    ranks = rank_policy.ranks_for_ratio(layout.sites(weights), 0.5)
     other = adapters.AdapterSet.init_select(weights, ranks, "sd2")
     other.save(adapter_dir / "sd2.safetensors")
     node = _node(comfy, "SdslimSlimUNet")

@@ -1,0 +1,56 @@
+"""Rank and GroupNorm policy of slim sites (torch-free).
+
+GroupNorm rule (:func:`res_groups`): every SD ResBlock's ``norm2`` has 32 groups, so a c-wide site has groups of
+c/32 channels. A Res bottleneck keeps whole groups (its rank is a multiple of c/32 and its norm has rank/(c/32)
+groups): kept channels are then normalised over exactly the channels the teacher normalises them with.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from . import layout
+
+DEFAULT_GROUPS = 32                   # GroupNorm groups of every SD1.x/2.x/XL ResBlock norm2
+
+
+def norm_groups_for(rank: int, preferred: int = DEFAULT_GROUPS) -> int:
+    """GroupNorm groups for a bottleneck of width ``rank``: the largest divisor of ``rank`` ≤ ``preferred``."""
+    return max(g for g in range(1, min(preferred, rank) + 1) if rank % g == 0)
+
+
+def group_size(width: int) -> int:
+    """Channels per ``norm2`` group of a ``width``-wide ResBlock (1 when 32 does not divide the width)."""
+    return width // DEFAULT_GROUPS if width % DEFAULT_GROUPS == 0 else 1
+
+
+def res_groups(width: int, rank: int) -> int:
+    """GroupNorm groups of a Res bottleneck of ``rank`` channels at a ``width``-wide site: whole teacher groups
+    (``rank / group_size``) when the rank allows it, else the largest divisor of the rank ≤ 32."""
+    k = group_size(width)
+    return rank // k if rank % k == 0 else norm_groups_for(rank)
+
+
+def rank_for_ratio(width: int, ratio: float, kind: str) -> int:
+    """Bottleneck width for a width fraction. Res ranks are rounded to whole ``norm2`` groups (a multiple of
+    ``group_size(width)``, at least one group), so the bottleneck can keep the teacher's normalisation."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    r = max(1, int(round(width * ratio)))
+    if kind == "res":
+        k = group_size(width)
+        r = min(width, k * max(1, int(round(r / k))))
+    return r
+
+
+def ranks_for_ratio(site_list: Iterable[layout.Site], ratio: float | None = None, ff_ratio: float | None = None,
+                    res_ratio: float | None = None) -> dict[str, int]:
+    """Uniform width fractions, with optional per-kind overrides; a kind whose ratio is 1 keeps full width
+    (its sites are still listed, so they fold to identity only when the adapter is the identity)."""
+    out = {}
+    for s in site_list:
+        r = ff_ratio if s.kind == "ff" else res_ratio
+        r = ratio if r is None else r
+        if r is None:
+            continue
+        out[s.name] = rank_for_ratio(s.width, r, s.kind)
+    return out

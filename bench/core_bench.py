@@ -34,7 +34,7 @@ def meta_flops_ratio(arch: str, ratio: float) -> float:
         kw = {"added_cond_kwargs": {"text_embeds": torch.empty(1, cfg.adm_in_channels - 6 * 256),
                                     "time_ids": torch.empty(1, 6)}} if cfg.adm_in_channels else {}
         aset = adapters.AdapterSet.shaped_like(cfg, ratio)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     return (fidelity.forward_flops(slim, x, t, encoder_hidden_states=ctx, **kw) /
             fidelity.forward_flops(unet, x, t, encoder_hidden_states=ctx, **kw))
 
@@ -80,7 +80,7 @@ def latency(repeats: int):
     models = {"original": unet}
     for ratio in RATIOS:
         aset = adapters.AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), ratio), "sd15")
-        models[f"slim {ratio}"] = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset)).eval()
+        models[f"slim {ratio}"] = swap.slim_module(unet, aset, weights).eval()
     x, t, ctx = torch.randn(1, 4, 64, 64), torch.tensor([500]), torch.randn(1, 77, 768)
     with torch.inference_mode():
         times = interleaved_times(models, lambda m: m(x, t, encoder_hidden_states=ctx), repeats)

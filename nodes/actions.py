@@ -10,6 +10,7 @@ import comfy.utils
 import folder_paths
 
 from sdslim_core.adapters import AdapterSet
+from sdslim_core.files import format_bytes
 from sdslim_core.slim import site_reader
 
 from . import folding, monitor, paths, report
@@ -31,7 +32,7 @@ def slim(model, adapters: str, strength: float, enable: bool) -> Result:
     out = folding.slim_patcher(model, aset, progress=lambda done, total: bar.update_absolute(done, total),
                                site_tensors=site_reader(path, aset))
     log.info("sdslim: folded %d sites from %s; UNet %s -> %s", len(aset.sites), adapters,
-             report.fmt_bytes(model.model_size()), report.fmt_bytes(out.model_size()))
+             format_bytes(model.model_size()), format_bytes(out.model_size()))
     return Result((out,))
 
 
@@ -58,7 +59,7 @@ def vram_report(model=None, model_b=None, trigger=None, width=1024, height=1024,
     models = [(label, m) for label, m in (("model", model), ("model_b", model_b)) if m is not None]
     for label, m in models:
         sections.append([report.breakdown_text(m, label),
-                         f"{label}: weights {report.fmt_bytes(m.model_size())} in "
+                         f"{label}: weights {format_bytes(m.model_size())} in "
                          f"{str(m.model_dtype()).replace('torch.', '')}"])
     if estimate and models:
         sections.append(report.estimate_lines(report.estimate_jobs(models, width, height), width, height, batch))

@@ -26,10 +26,11 @@ import comfy.ops
 import comfy.utils
 
 from sdslim_core import adapters, fold, layout, lora_slim
+from sdslim_core.layers import LayerError, resize_like, set_module
 
 from . import monitor, patches
 
-PREFIX = "diffusion_model."
+PREFIX = layout.COMFY_PREFIX
 COMPILE_KEY, COMPILE_KWARGS = "torch.compile", "torch_compile_kwargs"   # comfy_api.torch_helpers' wrapper key
 _STORE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 log = logging.getLogger("sdslim")
@@ -88,21 +89,11 @@ def _new_layer(old: torch.nn.Module, shape: tuple, dtype: torch.dtype, plain_dty
                groups: int | None = None) -> torch.nn.Module:
     """A layer like ``old`` (same comfy.ops class when its weights are plain) with a new weight shape, on meta;
     ``groups`` sets a GroupNorm's group count."""
-    ops = comfy.ops.disable_weight_init if plain_dtype else comfy.ops.manual_cast
-    has_bias = getattr(old, "bias", None) is not None
-    if isinstance(old, torch.nn.GroupNorm):
-        cls = type(old) if plain_dtype else ops.GroupNorm
-        new = cls(groups or old.num_groups, shape[0], eps=old.eps, affine=old.affine, device="meta", dtype=dtype)
-    elif isinstance(old, torch.nn.Linear):
-        cls = type(old) if plain_dtype else ops.Linear
-        new = cls(shape[1], shape[0], bias=has_bias, device="meta", dtype=dtype)
-    elif isinstance(old, torch.nn.Conv2d):
-        cls = type(old) if plain_dtype else ops.Conv2d
-        new = cls(shape[1], shape[0], old.kernel_size, stride=old.stride, padding=old.padding,
-                  dilation=old.dilation, groups=old.groups, bias=has_bias, padding_mode=old.padding_mode,
-                  device="meta", dtype=dtype)
-    else:
-        raise SlimError(f"sdslim: cannot rebuild layer of type {type(old).__name__} (expected Linear/Conv2d/GroupNorm)")
+    try:
+        new = resize_like(old, shape, ops=None if plain_dtype else comfy.ops.manual_cast, groups=groups,
+                          device="meta", dtype=dtype)
+    except LayerError as err:
+        raise SlimError(f"sdslim: cannot rebuild layer: {err}") from None
     if not hasattr(new, "comfy_cast_weights"):
         raise SlimError(f"sdslim: layer class {type(new).__name__} is not a comfy.ops layer")
     return new
@@ -119,7 +110,7 @@ def replace_layers(skeleton: torch.nn.Module, weights: dict, slim_keys, groups: 
         weight = weights[path + ".weight"]
         layer = _new_layer(comfy.utils.get_attr(skeleton, path), tuple(weight.shape), weight.dtype, plain(path),
                            groups.get(path))
-        comfy.utils.set_attr(skeleton, path, layer)
+        set_module(skeleton, path, layer)
     return rebuild
 
 

@@ -21,7 +21,7 @@ from sdslim_core.safetensors_io import LazyStateDict
 
 from . import folding, monitor, patches
 
-UNET_PREFIX = "model.diffusion_model."
+UNET_PREFIX = layout.CHECKPOINT_PREFIX
 
 
 def load(path: str) -> tuple:

@@ -20,10 +20,11 @@ import weakref
 
 import torch
 
+from sdslim_core import layout
 from sdslim_core.lora import LoraError, LoraModule, module_scale, norm2_lost
 from sdslim_core.lora_slim import DROPPED
 
-PREFIX = "diffusion_model."
+PREFIX = layout.COMFY_PREFIX
 log = logging.getLogger("sdslim")
 _reported_hooks = weakref.WeakSet()
 _NEEDS_BASE = ("GLoRAAdapter", "OFTAdapter", "BOFTAdapter")      # ComfyUI forms computed from the base weight

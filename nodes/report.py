@@ -5,15 +5,9 @@ import math
 from dataclasses import replace
 
 from sdslim_core import breakdown, layout
+from sdslim_core.files import format_bytes
 
-PREFIX = "diffusion_model."
-MIB = 2 ** 20
-
-
-def fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2 ** 30:.2f} GiB" if abs(n) >= 2 ** 30 else f"{n / MIB:.1f} MiB"
+PREFIX = layout.COMFY_PREFIX
 
 
 def unet_shapes(patcher) -> tuple[dict, dict | None, str]:
@@ -44,14 +38,14 @@ def device_lines(mm, torch) -> list[str]:
     total, free = mm.get_total_memory(dev), mm.get_free_memory(dev)
     if getattr(dev, "type", "cpu") == "cuda":
         return [f"device: {name}",
-                f"VRAM total {fmt_bytes(total)}, free {fmt_bytes(free)} (torch cache counted as free)",
-                f"torch allocated {fmt_bytes(torch.cuda.memory_allocated(dev))}, "
-                f"reserved {fmt_bytes(torch.cuda.memory_reserved(dev))}"]
+                f"VRAM total {format_bytes(total)}, free {format_bytes(free)} (torch cache counted as free)",
+                f"torch allocated {format_bytes(torch.cuda.memory_allocated(dev))}, "
+                f"reserved {format_bytes(torch.cuda.memory_reserved(dev))}"]
     lines = [f"device: {name}", "CPU only: no GPU, VRAM n/a; system RAM is shown instead",
-             f"RAM total {fmt_bytes(total)}, available {fmt_bytes(free)}"]
+             f"RAM total {format_bytes(total)}, available {format_bytes(free)}"]
     rss = _rss()
     if rss is not None:
-        lines.append(f"this process (ComfyUI) RSS {fmt_bytes(rss)}")
+        lines.append(f"this process (ComfyUI) RSS {format_bytes(rss)}")
     return lines
 
 
@@ -64,8 +58,8 @@ def loaded_models_lines(mm) -> list[str]:
             continue
         kind = type(patcher.model).__name__ + (" (slim)" if hasattr(patcher.model, "sdslim_info") else "")
         lowvram = getattr(patcher.model, "model_lowvram", False)
-        lines.append(f"  {kind}: weights {fmt_bytes(lm.model_memory())}, on {lm.device} "
-                     f"{fmt_bytes(lm.model_loaded_memory())}{', lowvram (partial)' if lowvram else ''}"
+        lines.append(f"  {kind}: weights {format_bytes(lm.model_memory())}, on {lm.device} "
+                     f"{format_bytes(lm.model_loaded_memory())}{', lowvram (partial)' if lowvram else ''}"
                      f"{', in use' if lm.currently_used else ''}")
     return ["loaded models:"] + (lines or ["  none"])
 
@@ -77,9 +71,9 @@ def sampling_lines(record: dict) -> list[str]:
     head = (f"last sampling: {record['seconds']:.1f} s on {record['device']}, "
             f"{'slim' if record.get('slim') else 'original'} {record['model']}, latent {record.get('latent_shape')}")
     if "peak_allocated" in record:
-        return [head, f"  peak allocated {fmt_bytes(record['peak_allocated'])}, "
-                      f"peak reserved {fmt_bytes(record['peak_reserved'])}"]
-    return [head, f"  CPU: no VRAM peak; process RSS after sampling {fmt_bytes(record.get('rss_after'))}"]
+        return [head, f"  peak allocated {format_bytes(record['peak_allocated'])}, "
+                      f"peak reserved {format_bytes(record['peak_reserved'])}"]
+    return [head, f"  CPU: no VRAM peak; process RSS after sampling {format_bytes(record.get('rss_after'))}"]
 
 
 def slim_ratio(patcher) -> float:

@@ -7,13 +7,13 @@ Infotext fields (values are quoted by the host because they contain commas):
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from .adapters import AdapterSet
+from .files import format_bytes, sha256_file
 
 INFOTEXT_KEY = "SD Slim"
 VRAM_KEY = "SD Slim VRAM"
@@ -23,7 +23,6 @@ FROM_SETTINGS = "Settings"              # override value meaning "use the Settin
 MODES = (FROM_SETTINGS, "On", "Off")
 NONE = "None"                           # the "no adapter file" choice
 ADAPTER_SUFFIX = ".safetensors"
-_GIB = 2 ** 30
 _INFOTEXT_RX = re.compile(r"^adapters=(?P<name>.+?)(?: \[(?P<hash>[0-9a-f]+)\])?, ratio=(?P<ratio>[0-9.]+)$")
 
 
@@ -102,11 +101,7 @@ class AdapterFiles:
         """First 10 hex digits of the file's sha256 (the length the webui shows for models)."""
         fp = self.fingerprint(path)
         if fp not in self._hashes:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            self._hashes[fp] = h.hexdigest()[:10]
+            self._hashes[fp] = sha256_file(path)[:10]
         return self._hashes[fp]
 
 
@@ -152,16 +147,9 @@ def match_adapter(parsed: Mapping, files: list[str], hash_of) -> str | None:
     return None
 
 
-def size_text(n: int | None) -> str:
-    """Bytes as GiB (≥ 1 GiB) or MiB."""
-    if n is None:
-        return "n/a"
-    return f"{n / _GIB:.2f} GiB" if abs(n) >= _GIB else f"{n / 2 ** 20:.1f} MiB"
-
-
 def fold_text(sites: int, layers: int, saved_bytes: int, seconds: float | None) -> str:
     """The console line of one sampler pass: a fold that took ``seconds``, or (None) cached slim layers."""
-    what = f"{sites} sites ({layers} layers, {size_text(saved_bytes)} saved)"
+    what = f"{sites} sites ({layers} layers, {format_bytes(saved_bytes)} saved)"
     return f"cached: {what}, no fold" if seconds is None else f"folded {what} in {seconds:.1f} s"
 
 
@@ -180,11 +168,11 @@ def vram_text(peak_allocated: int | None, peak_reserved: int | None, ram_rss: in
     replaced original layers are kept ("cpu" when offloaded, else the compute device, where they still count).
     """
     if peak_allocated is None:
-        parts = [f"no CUDA, RAM (RSS) {size_text(ram_rss)}"]
+        parts = [f"no CUDA, RAM (RSS) {format_bytes(ram_rss)}"]
     else:
-        parts = [f"peak {size_text(peak_allocated)} allocated, {size_text(peak_reserved)} reserved"]
+        parts = [f"peak {format_bytes(peak_allocated)} allocated, {format_bytes(peak_reserved)} reserved"]
     if unet_bytes is not None and saved_bytes is not None:
-        parts.append(f"UNet weights {size_text(unet_bytes + saved_bytes)} -> {size_text(unet_bytes)}")
+        parts.append(f"UNet weights {format_bytes(unet_bytes + saved_bytes)} -> {format_bytes(unet_bytes)}")
         if originals is not None:
             parts.append(f"originals kept on {originals}")
     return "; ".join(parts)

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import fold, layout, swap
 from .adapters import AdapterSet
+from .layers import LayerError, resize_like
 from .lora import apply_deltas, module_parts
 from .lora_slim import SlimSpace
 
@@ -76,16 +77,10 @@ def _split(path: str) -> tuple[str, str]:
 def _meta_like(layer: nn.Module) -> nn.Module:
     """A weightless stand-in with the hyper-parameters :func:`swap.build_slim_module` reads (no host attributes,
     so cloning it copies neither LoRA backups nor hooks)."""
-    kw = dict(device="meta")
-    if isinstance(layer, nn.Linear):
-        return nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, **kw)
-    if isinstance(layer, nn.Conv2d):
-        return nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                         padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
-                         bias=layer.bias is not None, **kw)
-    if isinstance(layer, nn.GroupNorm):
-        return nn.GroupNorm(layer.num_groups, layer.num_channels, eps=layer.eps, affine=layer.affine, **kw)
-    raise SwapError(f"unsupported layer type {type(layer).__name__} (expected Linear, Conv2d or GroupNorm)")
+    try:
+        return resize_like(layer, ops=nn, device="meta", dtype=torch.get_default_dtype())
+    except LayerError as err:
+        raise SwapError(str(err)) from None
 
 
 def _skeleton(layers: dict[str, nn.Module]) -> nn.Module:

@@ -227,25 +227,26 @@ class AdapterSet:
         activation-aware initialisation replaces it where it does better.
         """
         by_name = {s.name: s for s in layout.sites(weights)}
+        ff, res = layout.FF_LAYERS, layout.RES_LAYERS["ldm"]
         sites, groups = {}, {}
         dt = torch.promote_types(next(iter(weights.values())).dtype, torch.float32)
         for site, r in ranks.items():
             s = by_name[site]
             if s.kind == "ff":
-                wp = weights[f"{site}.net.0.proj.weight"].to(dt)
-                wo = weights[f"{site}.net.2.weight"].to(dt)
+                wp = weights[f"{site}.{ff['proj']}.weight"].to(dt)
+                wo = weights[f"{site}.{ff['out']}.weight"].to(dt)
                 score = wo.norm(dim=0) * (wp[:s.width].norm(dim=1) + wp[s.width:].norm(dim=1))
                 sel = _selection(score, r).to(dt)
                 sites[site] = {"down_value": sel.clone(), "down_gate": sel.clone(), "up": sel.t().contiguous()}
             else:
-                w1 = weights[f"{site}.in_layers.2.weight"].to(dt)
-                w2 = weights[f"{site}.out_layers.3.weight"].to(dt)
+                w1 = weights[f"{site}.{res['conv1']}.weight"].to(dt)
+                w2 = weights[f"{site}.{res['conv2']}.weight"].to(dt)
                 score = w1.flatten(1).norm(dim=1) * w2.transpose(0, 1).flatten(1).norm(dim=1)
                 sel = _selection(score, r).to(dt)
                 idx = sel.argmax(dim=1)
                 g = rank_policy.res_groups(s.width, r)
-                sites[site] = {"down": sel, "norm.weight": weights[f"{site}.out_layers.0.weight"].to(dt)[idx],
-                               "norm.bias": weights[f"{site}.out_layers.0.bias"].to(dt)[idx],
+                sites[site] = {"down": sel, "norm.weight": weights[f"{site}.{res['norm2']}.weight"].to(dt)[idx],
+                               "norm.bias": weights[f"{site}.{res['norm2']}.bias"].to(dt)[idx],
                                "up": sel.t().contiguous()}
                 if g != rank_policy.DEFAULT_GROUPS:
                     groups[site] = g

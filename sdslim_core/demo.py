@@ -128,9 +128,9 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     t0 = time.perf_counter()
     merged, lora_report = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], cfg, fold_sites=aset)
     cands = fidelity.Candidates(pipe.unet, cfg, weights, merged)
-    slim = swap.build_slim_module(pipe.unet, aset, fold.fold_state_dict(weights, aset)).eval()
+    slim = swap.slim_module(pipe.unet, aset, weights).eval()
     teacher_lora = cands.unet({**weights, **merged})
-    slim_lora = swap.build_slim_module(teacher_lora, aset, fold.fold_state_dict({**weights, **merged}, aset)).eval()
+    slim_lora = swap.slim_module(teacher_lora, aset, {**weights, **merged}).eval()
     control = tiny.controlnet_hook(tiny.load_tiny_controlnet(), batch.masks)
     lap("merge_fold", t0)
 

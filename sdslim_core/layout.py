@@ -14,7 +14,9 @@ from typing import Iterable, Mapping
 FAMILIES = ("sd15", "sd2", "sdxl")
 SDSLIM_TENSORS = "sdslim."   # namespace of tensors sdslim stores beside a UNet (a slim checkpoint's adapters)
 UNET_TOP_MODULES = ("input_blocks", "middle_block", "output_blocks", "time_embed", "label_emb", "out")
-LDM_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+CHECKPOINT_PREFIX = "model.diffusion_model."     # the UNet in an LDM/A1111 single-file checkpoint
+COMFY_PREFIX = "diffusion_model."                # the UNet in a ComfyUI MODEL
+LDM_PREFIXES = (CHECKPOINT_PREFIX, COMFY_PREFIX)
 DIFFUSERS_PREFIXES = ("unet.",)
 
 # Layer names inside a site, per naming of the module tree.

@@ -39,8 +39,8 @@ TE_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.
                "text_encoders.", "lora_te.", "lora_te1.", "lora_te2.", "te.", "te1.", "te2.", "cond_stage_model.",
                "conditioner.", "clip_l.", "clip_g.")
 KOHYA_UNET = "lora_unet_"
-DOTTED_PREFIXES = ("base_model.model.unet.", "base_model.model.", "model.diffusion_model.", "diffusion_model.",
-                   "unet.", "lora_unet.")
+DOTTED_PREFIXES = ("base_model.model.unet.", "base_model.model.", *layout.LDM_PREFIXES, *layout.DIFFUSERS_PREFIXES,
+                   "lora_unet.")
 IGNORED_PREFIXES = {"bundle_emb.": "embedding bundled with the LoRA (a text-encoder token, not a UNet weight)"}
 
 # file suffix → role; longest suffixes first so ``.lora_A.default.weight`` wins over ``.weight``-less forms.

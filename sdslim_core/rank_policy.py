@@ -54,3 +54,8 @@ def ranks_for_ratio(site_list: Iterable[layout.Site], ratio: float | None = None
             continue
         out[s.name] = rank_for_ratio(s.width, r, s.kind)
     return out
+
+
+def fit_groups(channels: int, groups: int) -> int:
+    """``groups`` when it divides ``channels``, else :func:`norm_groups_for` (a resized GroupNorm's groups)."""
+    return groups if channels % groups == 0 else norm_groups_for(channels)

@@ -1,15 +1,13 @@
 """Reading and writing ``.safetensors`` files: lazily, atomically, with clear errors."""
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import struct
-import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
+
+from .files import HeaderError, atomic_path, read_raw_header
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -34,18 +32,10 @@ def _check_path(path) -> Path:
 def read_header(path) -> tuple[dict, dict]:
     """Return ({key: (dtype, shape)}, metadata) from the header alone, without reading any tensor."""
     path = _check_path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise FileFormatError(f"{path}: too short to be a safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n <= 0 or n > min(size - 8, 100 << 20):
-            raise FileFormatError(f"{path}: not a safetensors file (header length {n} of a {size}-byte file)")
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise FileFormatError(f"{path}: corrupt safetensors header ({err})") from None
+    try:
+        header, n, size = read_raw_header(path)
+    except HeaderError as err:
+        raise FileFormatError(f"{path}: {err}") from None
     metadata = header.pop("__metadata__", None) or {}
     entries = {}
     end = 0
@@ -93,15 +83,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type != "cpu" or t.data_ptr() % 64 == 0 else t.clone()
 
 
-def file_sha256(path) -> str:
-    """Hex sha256 of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load_file(path) -> tuple[dict, dict]:
     """Load every tensor: (state dict, metadata)."""
     lazy = LazyStateDict(path)
@@ -112,19 +93,9 @@ def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mappin
     """Write a safetensors file via a temporary file in the same folder and ``os.replace``."""
     from safetensors.torch import save_file
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)          # mkstemp makes 0600; give the file normal permissions
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
 
 

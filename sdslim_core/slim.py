@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -25,10 +24,11 @@ from torch import nn
 
 from . import fold, layout
 from .adapters import AdapterSet
-from .rank_policy import norm_groups_for
 from .lora import LoraMerger, MergeReport, apply_deltas
 from .lora_slim import SlimSpace
-from .safetensors_io import FileFormatError, LazyStateDict, file_sha256, read_header
+from .files import atomic_path, sha256_file
+from .layers import LayerError, resize_like, set_module
+from .safetensors_io import FileFormatError, LazyStateDict, read_header
 from .unet import UNET_CONFIG_KEY, load_diffusers_unet, open_checkpoint
 
 SLIM_KEY = "sdslim.slim"
@@ -66,22 +66,16 @@ def write_safetensors_streaming(path, entries: Sequence[tuple[str, torch.dtype, 
         header["__metadata__"] = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(len(raw).to_bytes(8, "little"))
-            fh.write(raw)
-            for i in order:
-                key, dtype, shape = entries[i]
-                t = produce(key)
-                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                    raise SlimError(f"internal error: {key} produced {t.dtype} {tuple(t.shape)}, header says "
-                                    f"{dtype} {tuple(shape)}")
-                fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for i in order:
+            key, dtype, shape = entries[i]
+            t = produce(key)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise SlimError(f"internal error: {key} produced {t.dtype} {tuple(t.shape)}, header says "
+                                f"{dtype} {tuple(shape)}")
+            fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return path
 
 
@@ -286,7 +280,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     origin = {"file": Path(aset.source).name if aset.source != "<memory>" else "<memory>",
               "sites": len(aset.sites), "select": select}
     if aset.source != "<memory>" and Path(aset.source).is_file():
-        origin["sha256"] = file_sha256(aset.source)
+        origin["sha256"] = sha256_file(aset.source)
     meta = dict(src.metadata)
     meta.update(slim_metadata(cfg, aset, origin, _lora_meta(loras, "before folding")))
     if embed_adapters:
@@ -357,7 +351,7 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
     if adapters is not None:
         if isinstance(adapters, AdapterSet):
             raise SlimError("pass the adapter file's path, so its sha256 can be checked against the slim checkpoint")
-        want, have = origin.get("sha256"), file_sha256(adapters)
+        want, have = origin.get("sha256"), sha256_file(adapters)
         if want is None:
             raise SlimError(f"{path}: records no sha256 of its adapter file, so {adapters} cannot be checked")
         if want != have:
@@ -518,34 +512,6 @@ def load_slim_unet(path, dtype: torch.dtype | None = None, device="cpu"):
     return unet.eval(), cfg, meta
 
 
-def _resized(old: nn.Module, shape: tuple, groups: int | None) -> nn.Module:
-    """A new layer of ``old``'s class and settings for a weight of ``shape`` (uninitialised values)."""
-    p = old.weight
-    kw = dict(device=p.device, dtype=p.dtype)
-    cls = type(old)
-    if isinstance(old, nn.GroupNorm):
-        g = groups or old.num_groups
-        g = g if shape[0] % g == 0 else norm_groups_for(shape[0])
-        try:
-            return cls(g, shape[0], eps=old.eps, affine=True, **kw)
-        except TypeError:
-            return nn.GroupNorm(g, shape[0], eps=old.eps, affine=True, **kw)
-    has_bias = getattr(old, "bias", None) is not None
-    if isinstance(old, nn.Linear):
-        try:
-            return cls(shape[1], shape[0], bias=has_bias, **kw)
-        except TypeError:
-            return nn.Linear(shape[1], shape[0], bias=has_bias, **kw)
-    if isinstance(old, nn.Conv2d):
-        args = (shape[1], shape[0], tuple(shape[2:]))
-        opts = dict(stride=old.stride, padding=old.padding, dilation=old.dilation, bias=has_bias, **kw)
-        try:
-            return cls(*args, **opts)
-        except TypeError:
-            return nn.Conv2d(*args, **opts)
-    raise FileFormatError(f"cannot resize a {cls.__name__} to {shape}")
-
-
 def apply_slim_state_dict(ldm_unet: nn.Module, path) -> dict:
     """Resize the site layers of an LDM ``UNetModel`` (in place) to a slim checkpoint's shapes and load it.
 
@@ -570,9 +536,11 @@ def apply_slim_state_dict(ldm_unet: nn.Module, path) -> dict:
         if w is None or not hasattr(module, "weight") or tuple(module.weight.shape) == w:
             continue
         site = name[:-len(norm2) - 1] if name.endswith("." + norm2) else None
-        new = _resized(module, w, groups.get(site) if site else None)
-        parent, _, attr = name.rpartition(".")
-        setattr(ldm_unet.get_submodule(parent) if parent else ldm_unet, attr, new)
+        try:
+            new = resize_like(module, w, groups=groups.get(site) if site else None)
+        except LayerError as err:
+            raise FileFormatError(str(err)) from None
+        set_module(ldm_unet, name, new)
     own = ldm_unet.state_dict()
     with torch.no_grad():
         for k, f in mapping.items():

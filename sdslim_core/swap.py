@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import layout
+from . import fold, layout
 from .adapters import AdapterSet
+from .layers import resize_like, set_module
 
 TORCH_OPS = SimpleNamespace(Linear=nn.Linear, Conv2d=nn.Conv2d, GroupNorm=nn.GroupNorm)
 
@@ -57,11 +58,6 @@ def clone_sharing(unet: nn.Module) -> nn.Module:
     """A structural copy of ``unet`` whose parameters and buffers are the same objects (no weight copy)."""
     memo = {id(t): t for t in list(unet.parameters()) + list(unet.buffers())}
     return copy.deepcopy(unet, memo)
-
-
-def _set(root: nn.Module, path: str, module: nn.Module):
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
 # --------------------------------------------------------------------------------------- train-time modules
@@ -171,31 +167,23 @@ def attach_train_adapters(unet: nn.Module, adapter_set: AdapterSet) -> tuple[nn.
         paths = layer_paths(out, site, kind, cfg)
         if kind == "ff":
             a = SiteAdapter(site, kind, tensors, 0)
-            _set(out, paths["proj"], FFDown(out.get_submodule(paths["proj"]), a))
-            _set(out, paths["out"], FFUp(out.get_submodule(paths["out"]), a))
+            set_module(out, paths["proj"], FFDown(out.get_submodule(paths["proj"]), a))
+            set_module(out, paths["out"], FFUp(out.get_submodule(paths["out"]), a))
         else:
             norm2 = out.get_submodule(paths["norm2"])
             a = SiteAdapter(site, kind, tensors, adapter_set.groups(site), eps=norm2.eps)
-            _set(out, paths["conv1"], ResDown(out.get_submodule(paths["conv1"]), a, spatial=True))
-            _set(out, paths["emb"], ResDown(out.get_submodule(paths["emb"]), a, spatial=False))
-            _set(out, paths["norm2"], ResNorm(a))
-            _set(out, paths["conv2"], ResUp(out.get_submodule(paths["conv2"]), a))
+            set_module(out, paths["conv1"], ResDown(out.get_submodule(paths["conv1"]), a, spatial=True))
+            set_module(out, paths["emb"], ResDown(out.get_submodule(paths["emb"]), a, spatial=False))
+            set_module(out, paths["norm2"], ResNorm(a))
+            set_module(out, paths["conv2"], ResUp(out.get_submodule(paths["conv2"]), a))
         adapters[site] = a
     return out, adapters
 
 
 # ------------------------------------------------------------------------------------------------ slim tree
 
-def _new_like(old: nn.Module, ops, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """A fresh layer of ``old``'s kind and hyper-parameters with the given (slim) weight and bias."""
-    kw = dict(device=weight.device, dtype=weight.dtype)
-    if weight.ndim == 2:
-        new = ops.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, **kw)
-    elif weight.ndim == 4:
-        new = ops.Conv2d(weight.shape[1], weight.shape[0], tuple(weight.shape[2:]), stride=old.stride,
-                         padding=old.padding, dilation=old.dilation, bias=bias is not None, **kw)
-    else:
-        raise ValueError(f"unsupported weight rank {weight.ndim}")
+def _holding(new: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """``new`` with ``weight`` and ``bias`` as its (frozen) parameters."""
     new.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         new.bias = nn.Parameter(bias, requires_grad=False)
@@ -223,15 +211,25 @@ def build_slim_module(unet: nn.Module, adapter_set: AdapterSet, folded: Mapping[
             if canon + ".weight" not in folded:
                 continue
             old = out.get_submodule(paths[role])
-            _set(out, paths[role], _new_like(old, ops, folded[canon + ".weight"], folded.get(canon + ".bias")))
+            w, b = folded[canon + ".weight"], folded.get(canon + ".bias")
+            new = resize_like(old, w.shape, ops=ops, bias=b is not None, device=w.device, dtype=w.dtype)
+            set_module(out, paths[role], _holding(new, w, b))
         if kind == "res":
             old = out.get_submodule(paths["norm2"])
             w, b = folded[f"{site}.{ldm['norm2']}.weight"], folded[f"{site}.{ldm['norm2']}.bias"]
-            norm = ops.GroupNorm(adapter_set.groups(site), w.shape[0], eps=old.eps, affine=True,
-                                 device=w.device, dtype=w.dtype)
-            norm.weight, norm.bias = nn.Parameter(w, requires_grad=False), nn.Parameter(b, requires_grad=False)
-            _set(out, paths["norm2"], norm)
+            norm = resize_like(old, w.shape, ops=ops, groups=adapter_set.groups(site), device=w.device,
+                               dtype=w.dtype)
+            set_module(out, paths["norm2"], _holding(norm, w, b))
     return out
+
+
+def slim_module(unet: nn.Module, adapter_set: AdapterSet, weights: Mapping[str, torch.Tensor] | None = None,
+                ops=TORCH_OPS) -> nn.Module:
+    """``unet`` slimmed by ``adapter_set`` in one call: canonical weights (default ``unet``'s own) folded
+    (:func:`sdslim_core.fold.fold_state_dict`) into :func:`build_slim_module`."""
+    if weights is None:
+        weights = layout.to_canonical(unet.state_dict())[0]
+    return build_slim_module(unet, adapter_set, fold.fold_state_dict(weights, adapter_set), ops)
 
 
 def slim_state_dict(slim_unet: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from . import layout
-from .rank_policy import norm_groups_for
+from .layers import LayerError, resize_like, set_module
 from .safetensors_io import FileFormatError, LazyStateDict
 
 UNET_CONFIG_KEY = "sdslim.unet_config"
@@ -140,22 +141,13 @@ def load_diffusers_unet(weights, cfg: layout.UNetConfig, dtype=torch.float32, de
 
 def _resize_to(unet, shapes: dict, groups: dict):
     """Replace Linear/Conv2d/GroupNorm modules whose stored weights have other (slim) shapes."""
-    from torch import nn
     for name, module in list(unet.named_modules()):
         w = shapes.get(f"{name}.weight")
         if w is None or not hasattr(module, "weight") or tuple(module.weight.shape) == w:
             continue
-        parent, _, attr = name.rpartition(".")
-        holder = unet.get_submodule(parent) if parent else unet
-        with torch.device("meta"):
-            if isinstance(module, nn.Linear):
-                new = nn.Linear(w[1], w[0], bias=module.bias is not None)
-            elif isinstance(module, nn.Conv2d):
-                new = nn.Conv2d(w[1], w[0], w[2:], stride=module.stride, padding=module.padding,
-                                bias=module.bias is not None)
-            elif isinstance(module, nn.GroupNorm):
-                g = groups.get(name, module.num_groups)
-                new = nn.GroupNorm(g if w[0] % g == 0 else norm_groups_for(w[0]), w[0], eps=module.eps)
-            else:
-                raise FileFormatError(f"cannot resize {name} ({type(module).__name__}) to {w}")
-        setattr(holder, attr, new)
+        try:
+            new = resize_like(module, w, ops=nn, groups=groups.get(name), device="meta",
+                              dtype=torch.get_default_dtype())
+        except LayerError as err:
+            raise FileFormatError(f"{name}: {err}") from None
+        set_module(unet, name, new)

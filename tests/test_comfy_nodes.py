@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ldm_unet, randomize_, tiny_config
-from sdslim_core import adapters, breakdown, layout, rank_policy
+from sdslim_core import adapters, breakdown, files, layout, rank_policy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "comfy_standin")
@@ -513,7 +513,7 @@ def test_report_sections(pack, model):
     lines = pack.report.device_lines(mm, torch)
     assert lines[1].startswith("CPU only") and "RAM total" in lines[2]
     assert pack.report.loaded_models_lines(mm) == ["loaded models:", "  none"]
-    assert pack.report.fmt_bytes(3 * 2 ** 30) == "3.00 GiB" and pack.report.fmt_bytes(5 * 2 ** 20) == "5.0 MiB"
+    assert files.format_bytes(3 * 2 ** 30) == "3.00 GiB" and files.format_bytes(5 * 2 ** 20) == "5.0 MiB"
     sites = {s.name: s.width for s in layout.sites(weights)}
     ranks = slim.model.sdslim_info.ranks
     assert pack.report.slim_ratio(slim) == pytest.approx(sum(r / sites[s] for s, r in ranks.items()) / len(ranks))

@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from sdslim_core import adapters, demo, fold, swap, tiny
+from sdslim_core import adapters, demo, swap, tiny
 
 SMOKE = dict(stage1_steps=3, stage2_steps=2, n_trajectories=2, sample_steps=3, ff_tokens=512, res_maps=8,
              rank_grid=(0.5,))
@@ -18,7 +18,7 @@ def test_demo_end_to_end(tmp_path):
     pipe = tiny.load_tiny_pipeline()
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     aset = adapters.AdapterSet.load(tmp_path / "tiny_adapters.safetensors")
-    slim = swap.build_slim_module(pipe.unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(pipe.unet, aset, weights)
     assert s["model"]["params_slim"] == sum(p.numel() for p in slim.parameters())
     assert s["model"]["params_original"] == sum(p.numel() for p in pipe.unet.parameters())
     assert s["model"]["params_ratio"] < 0.8

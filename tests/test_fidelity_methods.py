@@ -165,13 +165,12 @@ def test_new_init_has_lower_held_out_error_than_v01_act_select(tiny_runs):
 
 
 def test_flops_allocation_keeps_uniforms_flops_and_beats_its_error(tiny_runs):
-    from sdslim_core import fold as fold_mod
     pipe = tiny_runs["pipe"]
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     x, t, ctx = torch.randn(1, 4, 8, 8), torch.tensor([500.0]), pipe.encode_prompt(["a red circle on a blue background"])
 
     def flops(aset):
-        slim = swap.build_slim_module(pipe.unet, aset, fold_mod.fold_state_dict(weights, aset))
+        slim = swap.slim_module(pipe.unet, aset, weights)
         return fidelity.forward_flops(slim, x, t, encoder_hidden_states=ctx)
     u, f = tiny_runs["uniform"], tiny_runs["flops"]
     assert f.report.budget["unit"] == "flops" and f.report.budget["slim_flops"] <= f.report.budget["budget_flops"]

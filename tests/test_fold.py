@@ -83,7 +83,7 @@ def test_tiny_diffusers_unet_slim_equals_train_time(tiny_diffusers_unet, ratio):
     weights = layout.to_canonical(unet.state_dict())[0]
     aset = random_adapters(weights, ratio)
     train, _ = swap.attach_train_adapters(unet, aset)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     x, t, ctx = _inputs(tiny_config())
     with torch.no_grad():
         ref, out = _diffusers_forward(train, x, t, ctx), _diffusers_forward(slim, x, t, ctx)
@@ -96,7 +96,7 @@ def test_tiny_ldm_unet_slim_equals_train_time(tiny_ldm_unet):
     weights = dict(unet.state_dict())
     aset = random_adapters(weights, 0.5)
     train, _ = swap.attach_train_adapters(unet, aset)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     x, t, ctx = _inputs(tiny_config())
     with torch.no_grad():
         assert rel_err(slim(x, t, ctx), train(x, t, ctx)) < TOL
@@ -106,7 +106,7 @@ def test_identity_adapters_give_the_original_model(tiny_diffusers_unet):
     unet = tiny_diffusers_unet
     weights = layout.to_canonical(unet.state_dict())[0]
     aset = adapters.AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), 1.0), "sd15")
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     x, t, ctx = _inputs(tiny_config())
     with torch.no_grad():
         assert rel_err(_diffusers_forward(slim, x, t, ctx), _diffusers_forward(unet, x, t, ctx)) < TOL
@@ -117,7 +117,7 @@ def test_input_untouched_attention_shared_and_block_shapes_kept(tiny_ldm_unet):
     before = {k: v.clone() for k, v in unet.state_dict().items()}
     weights = dict(unet.state_dict())
     aset = random_adapters(weights, 0.5)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     after = unet.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)          # input not mutated
     slim_sd = slim.state_dict()
@@ -159,7 +159,7 @@ def test_controlnet_style_residuals_still_add_up(tiny_ldm_unet):
     weights = dict(unet.state_dict())
     aset = random_adapters(weights, 0.5)
     train, _ = swap.attach_train_adapters(unet, aset)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     x, t, ctx = _inputs(tiny_config())
     shapes = []
     handles = [b.register_forward_hook(lambda m, i, o: shapes.append(o.shape)) for b in unet.input_blocks]
@@ -183,7 +183,7 @@ def test_diffusers_controlnet_residual_arguments(tiny_diffusers_unet):
     weights = layout.to_canonical(unet.state_dict())[0]
     aset = random_adapters(weights, 0.5)
     train, _ = swap.attach_train_adapters(unet, aset)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     x, t, ctx = _inputs(tiny_config())
     g = torch.Generator().manual_seed(4)
     cfg = tiny_config()
@@ -205,7 +205,7 @@ def test_sdxl_structure_folds_exactly():
     assert layout.config_from_state_dict(weights, {"num_head_channels": 16}) == cfg
     aset = random_adapters(weights, 0.5, family="sdxl")
     train, _ = swap.attach_train_adapters(unet, aset)
-    slim = swap.build_slim_module(unet, aset, fold.fold_state_dict(weights, aset))
+    slim = swap.slim_module(unet, aset, weights)
     x, t, ctx = _inputs(cfg)
     cond = {"text_embeds": torch.randn(2, 64, dtype=torch.float64), "time_ids": torch.randn(2, 6, dtype=torch.float64)}
     with torch.no_grad():

@@ -131,7 +131,7 @@ def test_loader_matches_build_slim_module_exactly(setup):
     from sdslim_core.unet import load_diffusers_unet
     merged = setup["merged"]
     teacher_lora = load_diffusers_unet(merged, CFG, dtype=torch.float64)
-    built = swap.build_slim_module(teacher_lora, setup["aset"], fold.fold_state_dict(merged, setup["aset"]))
+    built = swap.slim_module(teacher_lora, setup["aset"], merged)
     loaded, _, _ = slim.load_slim_unet(setup["out"])
     x, t, ctx = inputs(seed=4)
     a, b = run_diffusers(built, x, t, ctx), run_diffusers(loaded, x, t, ctx)

@@ -10,7 +10,7 @@ import torch
 
 import sdslim_core
 from sdslim_core.vram import live
-from sdslim_core.vram.settings import GIB
+from sdslim_core.files import GIB
 
 NO_CUDA_INIT = """
 import json, sys, torch

@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
 
 from .. import layout, sampling, swap
+from ..files import atomic_path
 from ..safetensors_io import FileFormatError, LazyStateDict, load_file, save_file_atomic
 
 BANK_FILE = "inputs.safetensors"
@@ -485,9 +485,8 @@ def capture_sites(teacher, cfg: layout.UNetConfig, bank: InputBank, site_list: I
 def write_manifest(folder, store: ActivationStore, fingerprint: dict, description: dict):
     data = {"complete": True, "fingerprint": fingerprint, "description": description, "store": store.manifest()}
     path = Path(folder) / MANIFEST
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(data, indent=1))
 
 
 def read_manifest(folder) -> dict | None:

@@ -94,6 +94,17 @@ def load_optimizer(opt: torch.optim.Optimizer, tensors: dict, meta: dict):
 
 # ------------------------------------------------------------------------------------------------ files
 
+def restore(params: dict, opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> dict:
+    """Resume a fit from a checkpoint: ``adapter/<name>`` tensors into ``params`` (name → parameter), the
+    optimizer and the RNG state; returns the checkpoint's ``best/`` tensors (``best/`` stripped)."""
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[f"adapter/{name}"])
+    load_optimizer(opt, tensors, meta["optimizer"])
+    set_rng_state(tensors, meta["rng"])
+    return {k[len("best/"):]: v for k, v in tensors.items() if k.startswith("best/")}
+
+
 def _listing(folder: Path, prefix: str) -> list[tuple[int, Path]]:
     out = []
     for p in folder.glob(f"{prefix}-*.safetensors") if folder.exists() else []:

@@ -14,15 +14,11 @@ from torch import nn
 
 from .. import layout, swap
 from ..adapters import AdapterSet
+from ..layers import set_module
 
 
 def site_module(tree: nn.Module, site: str, cfg: layout.UNetConfig | None = None) -> nn.Module:
     return tree.get_submodule(swap.site_path(tree, site, cfg))
-
-
-def _set_child(root: nn.Module, path: str, module: nn.Module):
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, module)
 
 
 def make_site_adapter(site: str, kind: str, tensors: Mapping[str, torch.Tensor], groups: int,
@@ -37,14 +33,14 @@ def build_student(teacher_site: nn.Module, kind: str, naming: str, adapter: swap
     out = swap.clone_sharing(teacher_site)
     if kind == "ff":
         proj, o = layout.FF_LAYERS["proj"], layout.FF_LAYERS["out"]
-        _set_child(out, proj, swap.FFDown(out.get_submodule(proj), adapter))
-        _set_child(out, o, swap.FFUp(out.get_submodule(o), adapter))
+        set_module(out, proj, swap.FFDown(out.get_submodule(proj), adapter))
+        set_module(out, o, swap.FFUp(out.get_submodule(o), adapter))
         return out
     names = layout.RES_LAYERS[naming]
-    _set_child(out, names["conv1"], swap.ResDown(out.get_submodule(names["conv1"]), adapter, spatial=True))
-    _set_child(out, names["emb"], swap.ResDown(out.get_submodule(names["emb"]), adapter, spatial=False))
-    _set_child(out, names["norm2"], swap.ResNorm(adapter))
-    _set_child(out, names["conv2"], swap.ResUp(out.get_submodule(names["conv2"]), adapter))
+    set_module(out, names["conv1"], swap.ResDown(out.get_submodule(names["conv1"]), adapter, spatial=True))
+    set_module(out, names["emb"], swap.ResDown(out.get_submodule(names["emb"]), adapter, spatial=False))
+    set_module(out, names["norm2"], swap.ResNorm(adapter))
+    set_module(out, names["conv2"], swap.ResUp(out.get_submodule(names["conv2"]), adapter))
     return out
 
 
@@ -124,7 +120,7 @@ def gated_tree(teacher: nn.Module, aset: AdapterSet, cfg: layout.UNetConfig | No
     for site in aset.sites:
         path = swap.site_path(tree, site, cfg)
         gate = SiteGate(site, aset.kind(site), teacher.get_submodule(path), tree.get_submodule(path))
-        _set_child(tree, path, gate)
+        set_module(tree, path, gate)
         gates[site] = gate
     return tree, site_adapters, gates
 

@@ -105,14 +105,9 @@ def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
         every = eval_interval(tc.stage1_steps)
         if resume_state is not None and resume_state[1].get("site") == site:
             t, meta, _ = resume_state
-            with torch.no_grad():
-                for name, p in adapter.named_parameters():
-                    p.copy_(t[f"adapter/{name}"])
-            checkpoint.load_optimizer(opt, t, meta["optimizer"])
-            checkpoint.set_rng_state(t, meta["rng"])
+            best = checkpoint.restore(dict(adapter.named_parameters()), opt, t, meta)
             start = int(meta["site_step"])
             best_err = float(meta["best_error"])
-            best = {k[len("best/"):]: v for k, v in t.items() if k.startswith("best/")}
         else:
             best_err = data.eval_error(student, run.device, run.compute_dtype, run.amp)
             best = adapter.tensors()

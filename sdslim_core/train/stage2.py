@@ -20,13 +20,14 @@ import time
 
 import torch
 
-from .. import fold, layout, swap
+from .. import swap
 from ..adapters import AdapterSet
+from ..layers import set_module
 from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
 from .augment import Augmenter
 from .calibration import InputBank, _gen, unet_call
-from .sites import FeatureRecorder, _set_child, gated_tree, set_gates
+from .sites import FeatureRecorder, gated_tree, set_gates
 from .stage1 import batch_ids, eval_interval, lr_at
 
 
@@ -100,8 +101,7 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
     slim = None
     if done:
         done_set = subset(aset, done)
-        canon, _, _ = layout.to_canonical(dict(teacher.state_dict()))
-        slim = swap.build_slim_module(teacher, done_set, fold.fold_state_dict(canon, done_set))
+        slim = swap.slim_module(teacher, done_set)
     tree, adapters, gates = gated_tree(teacher, subset(aset, group), run.cfg)
     for a in adapters.values():
         a.to(run.device)
@@ -109,7 +109,7 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
         path = swap.site_path(teacher, site, run.cfg)
         run.offload_teacher_site(site)
         # after the offload: layers the folded site shares with the teacher (norm1, skip) come back to the device
-        _set_child(tree, path, slim.get_submodule(path).to(run.device))
+        set_module(tree, path, slim.get_submodule(path).to(run.device))
     tree.requires_grad_(False)
     for a in adapters.values():
         a.requires_grad_(True)
@@ -121,8 +121,7 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
 def measure(run, aset: AdapterSet, bank: InputBank) -> float:
     """All-student UNet error in the folded (slim) form: no adapter tensors on the device."""
     teacher = run.teacher_on_device()
-    canon, _, _ = layout.to_canonical(dict(teacher.state_dict()))
-    slim = swap.build_slim_module(teacher, aset, fold.fold_state_dict(canon, aset)).eval()
+    slim = swap.slim_module(teacher, aset).eval()
     ids = bank.eval_ids()
     num = den = 0.0
     for i in range(0, ids.numel(), 8):
@@ -205,15 +204,10 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
         total, start, before = steps[g], 0, None
         if got is not None and got[1].get("phase", 0) == g:
             t, meta, _ = got
-            with torch.no_grad():
-                for k, p in named.items():
-                    p.copy_(t[f"adapter/{k}"])
-            checkpoint.load_optimizer(opt, t, meta["optimizer"])
-            checkpoint.set_rng_state(t, meta["rng"])
+            best = checkpoint.restore(named, opt, t, meta)
             start = int(meta["step"]) - offsets[g]
             before = meta.get("error_before")
             best_err = float(meta["best_error"])
-            best = {k[len("best/"):]: v for k, v in t.items() if k.startswith("best/")}
         if before is None:
             before = unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
             best_err, best = before, {k: v.detach().float().cpu().clone() for k, v in named.items()}

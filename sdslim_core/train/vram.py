@@ -124,7 +124,8 @@ def estimator_model(settings):
     """
     from .. import layout, swap
     from ..vram import harness
-    from .sites import SiteGate, _set_child
+    from ..layers import set_module
+    from .sites import SiteGate
     unet = harness.original_unet(settings)
     spec = json.loads(os.environ.get(_ENV, "{}"))
     ranks = spec.get("ranks", spec if "train" not in spec else {})
@@ -139,7 +140,7 @@ def estimator_model(settings):
     # run folded with their teacher layers off the device, which only lowers the total
     for site, student in students.items():
         path = swap.site_path(unet, site, cfg)
-        _set_child(tree, path, SiteGate(site, by_name[site].kind, unet.get_submodule(path), student))
+        set_module(tree, path, SiteGate(site, by_name[site].kind, unet.get_submodule(path), student))
     _freeze_as_fp16_buffers(tree, keep=set(adapters.values()))
     return tree
 

@@ -21,7 +21,8 @@ import time
 from typing import Callable, Sequence
 
 from ..cli import USER_ERRORS, error_text
-from ..vram.settings import ARCHS, ATTENTIONS, GIB, LORA_KINDS, OPTIMIZERS, PRECISIONS
+from ..files import GIB
+from ..vram.settings import ARCHS, ATTENTIONS, LORA_KINDS, OPTIMIZERS, PRECISIONS
 from .paths import Roots
 
 TASKS = ("sampling", "full fine-tune", "LoRA")

@@ -46,6 +46,12 @@ def build_app(roots: Roots, planner: Planner | None = None):
         return gr.Dropdown(files(optional), value="" if optional else None, label=label, elem_id=elem_id,
                            allow_custom_value=True, filterable=True, visible=visible)
 
+    def model_source(prefix):
+        """The family/checkpoint choice of a tab: (source radio, family dropdown, checkpoint picker)."""
+        source = gr.Radio(["family", "checkpoint"], value="family", label="model", elem_id=f"{prefix}-source")
+        arch = gr.Dropdown(list(actions.ARCHS), value="sd15", label="family", elem_id=f"{prefix}-arch")
+        return source, arch, file_picker("checkpoint (.safetensors)", f"{prefix}-ckpt", visible=False)
+
     def lora_slots(prefix):
         slots = []
         for i in range(MAX_LORAS):
@@ -69,10 +75,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
             with gr.Tab("VRAM planner", id="planner", elem_id="tab-planner"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=320):
-                        p_source = gr.Radio(["family", "checkpoint"], value="family", label="model",
-                                            elem_id="plan-source")
-                        p_arch = gr.Dropdown(list(actions.ARCHS), value="sd15", label="family", elem_id="plan-arch")
-                        p_ckpt = file_picker("checkpoint (.safetensors)", "plan-ckpt", visible=False)
+                        p_source, p_arch, p_ckpt = model_source("plan")
                         p_task = gr.Radio(list(actions.TASKS), value="full fine-tune", label="task",
                                           elem_id="plan-task")
                         p_batches = gr.Textbox("1,2,4,8", label="batch sizes", elem_id="plan-batches",
@@ -115,10 +118,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
             with gr.Tab("Breakdown", id="breakdown", elem_id="tab-breakdown"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=320):
-                        b_source = gr.Radio(["family", "checkpoint"], value="family", label="model",
-                                            elem_id="bd-source")
-                        b_arch = gr.Dropdown(list(actions.ARCHS), value="sd15", label="family", elem_id="bd-arch")
-                        b_ckpt = file_picker("checkpoint (.safetensors)", "bd-ckpt", visible=False)
+                        b_source, b_arch, b_ckpt = model_source("bd")
                         b_mode = gr.Radio(["exact", "seed"], value="exact", label="count", elem_id="bd-mode",
                                           info="seed: the counting rule of the published table")
                         b_ratio = gr.Slider(0.0, 0.95, 0.5, step=0.05, label="slim ratio (0: none)",

@@ -11,9 +11,10 @@ import os
 import sys
 import time
 
+from sdslim_core.files import GIB
 from sdslim_core.optional import MissingDependency
 from sdslim_core.vram import fakecuda
-from sdslim_core.vram.settings import GIB, Settings
+from sdslim_core.vram.settings import Settings
 
 
 def _real_bnb():

@@ -51,12 +51,11 @@ def slim_of(unet, ratio):
     """``unet`` slimmed at ``ratio`` with identity-like adapters (the first r units of every site kept), built
     on the device of the current ``torch.device`` context; untouched weights are shared with ``unet``."""
     try:
-        from sdslim_core import adapters, fold, layout, swap
+        from sdslim_core import adapters, swap
     except ImportError as err:
-        raise RuntimeError(f"--slim-ratio needs sdslim_core.layout/adapters/fold/swap ({err})") from err
+        raise RuntimeError(f"--slim-ratio needs sdslim_core.adapters/swap ({err})") from err
     aset = adapters.AdapterSet.shaped_like(swap.tree_config(unet), ratio=ratio)
-    canonical = layout.to_canonical(unet.state_dict())[0]
-    return swap.build_slim_module(unet, aset, fold.fold_state_dict(canonical, aset))
+    return swap.slim_module(unet, aset)
 
 
 def slim_unet(settings):

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .settings import GIB
+from ..files import GIB
 
 COMPONENTS = ("resnet", "transformer", "feedforward", "downsample", "upsample", "other")
 

@@ -3,12 +3,10 @@
 A ``Settings`` is one curve: everything but the batch size. ``MATRIX`` is the seed study's
 one-change-at-a-time matrix (SD1.5, 768 px, AMP bf16, AdamW, text encoder frozen, no VAE).
 """
-import json
-import os
-import struct
 from dataclasses import asdict, dataclass, field, fields, replace
 
-GIB = 2 ** 30
+from .. import layout
+from ..files import HeaderError, read_raw_header
 
 PRECISIONS = ("fp32", "amp-bf16", "full-bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-fused")
@@ -19,33 +17,10 @@ SAMPLING_PRECISION_LABELS = {"fp32": "fp32 weights", "amp-bf16": "fp32 weights +
                              "full-bf16": "2-byte weights (fp16/bf16)"}
 DEFAULT_BATCH_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16)
 
-# UNet2DConditionModel configs, typed in (nothing is fetched).
-UNET_CONFIGS = {
-    "sd15": dict(
-        sample_size=64, in_channels=4, out_channels=4,
-        block_out_channels=[320, 640, 1280, 1280], layers_per_block=2,
-        cross_attention_dim=768, attention_head_dim=8,
-        down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-        up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-    ),
-    "sd2": dict(  # 768-v: OpenCLIP-H context, linear proj_in/out, 64-wide heads
-        sample_size=96, in_channels=4, out_channels=4,
-        block_out_channels=[320, 640, 1280, 1280], layers_per_block=2,
-        cross_attention_dim=1024, attention_head_dim=[5, 10, 20, 20], use_linear_projection=True,
-        down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-        up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
-    ),
-    "sdxl": dict(
-        sample_size=128, in_channels=4, out_channels=4,
-        block_out_channels=[320, 640, 1280], layers_per_block=2,
-        transformer_layers_per_block=[1, 2, 10], cross_attention_dim=2048,
-        attention_head_dim=[5, 10, 20], addition_embed_type="text_time",
-        addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-        down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-        up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-        use_linear_projection=True,
-    ),
-}
+# UNet2DConditionModel configs of the published architectures (from ``layout``; nothing is fetched).
+SAMPLE_SIZES = {"sd15": 64, "sd2": 96, "sdxl": 128}
+UNET_CONFIGS = {arch: layout.diffusers_config(layout.config_for_arch(arch), sample_size)
+                for arch, sample_size in SAMPLE_SIZES.items()}
 
 # Frozen models kept on the GPU unless offloaded (parameter counts taken from the typed
 # transformers/diffusers configs on the meta device): VAE (same for all three), text encoder(s).
@@ -176,22 +151,14 @@ def parse_batch_sizes(text: str) -> tuple:
 def read_safetensors_shapes(path: str) -> dict:
     """{key: shape} from a .safetensors header, without loading any tensor (and without torch)."""
     try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > min(os.path.getsize(path) - 8, 100 * 2 ** 20):
-                raise ValueError(f"header size {size} does not fit the file")
-            header = json.loads(f.read(size))
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        header = read_raw_header(path)[0]
+    except HeaderError as err:
         raise ValueError(f"{path} is not a .safetensors file ({err})") from None
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 
 def settings_from_ckpt(path: str, **overrides) -> Settings:
     """Settings whose UNet has the shapes of the checkpoint at ``path`` (read via ``sdslim_core.layout``)."""
-    try:
-        from sdslim_core import layout
-    except ImportError as err:
-        raise ValueError(f"--ckpt needs sdslim_core.layout ({err})") from None
     cfg = layout.config_from_state_dict(layout.to_canonical(read_safetensors_shapes(path))[0])
     arch = cfg.family if cfg.family in ARCHS else overrides.get("arch", "sd15")
     return Settings(**{**overrides, "arch": arch, "ckpt": path, "unet_config": dict(layout.diffusers_config(cfg))})

@@ -18,7 +18,7 @@ import torch
 from .. import optional
 from . import harness
 from .live import measure_peak
-from .settings import GIB
+from ..files import GIB
 from .tracker import LiveTracker
 
 

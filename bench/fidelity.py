@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from sdslim_core import adapters, fidelity, layout, lora, quant, rank_policy, tiny, tiny_data  # noqa: E402
+from sdslim_core import adapters, fidelity, layout, lora, quant, rank_policy, tiny  # noqa: E402
+from sdslim_core.tiny import data as tiny_data  # noqa: E402
 from sdslim_core.demo import FULL, PROMPTS_SEED  # noqa: E402
 from sdslim_core.sampling import diffusers_fn  # noqa: E402
 from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402

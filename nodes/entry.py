@@ -27,7 +27,7 @@ def prepare() -> None:
     if os.path.realpath(origin) != os.path.realpath(os.path.join(PACK_ROOT, "sdslim_core")):
         log.info("sdslim: using the installed sdslim_core at %s", origin)
     paths.register(folder_paths)
-    paths.register_demo_assets(folder_paths, os.path.join(origin, "assets"))
+    paths.register_demo_assets(folder_paths, os.path.join(origin, "tiny", "assets"))
 
 
 def has_v3() -> bool:

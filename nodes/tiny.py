@@ -1,4 +1,4 @@
-"""The shipped tiny demo model (``sdslim_core/assets``) as ComfyUI objects for ComfyUI's own nodes.
+"""The shipped tiny demo model (``sdslim_core/tiny/assets``) as ComfyUI objects for ComfyUI's own nodes.
 
 ComfyUI's loaders cannot open it (model detection needs SD1.5's 320 base channels, the text encoder is not CLIP,
 its VAE and ControlNet hint encoder have widths ComfyUI's fixed LDM classes cannot build), so this module builds:

@@ -45,7 +45,7 @@ def _latency_ratio(teacher, slim, x, t, ctx, repeats: int) -> dict:
 
 def _iou(images, masks, bg_colour_idx) -> float:
     """IoU of the pixels that are not the named background colour with the control mask."""
-    from .tiny_data import nearest_colour
+    from .tiny.data import nearest_colour
     fg = (nearest_colour(images) != bg_colour_idx[:, None, None]).float()
     m = masks[:, 0]
     return ((fg * m).sum() / ((fg + m) > 0).float().sum().clamp(min=1)).item()
@@ -88,7 +88,8 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
 
 
 def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overrides) -> dict:
-    from . import breakdown, fidelity, fold, lora, quant, swap, tiny, tiny_data
+    from . import breakdown, fidelity, fold, lora, quant, swap, tiny
+    from .tiny import data as tiny_data
     from .sampling import diffusers_fn
     from .train import Calibration, TrainConfig, train_adapters
     from .vram.live import memory_report

@@ -1,9 +1,9 @@
-"""sdslim_core.a1111_params: settings vs. override, adapter folder, infotext fields."""
+"""sdslim_core.hosts.a1111.params: settings vs. override, adapter folder, infotext fields."""
 import os
 
 import pytest
 
-from sdslim_core import a1111_params as params
+from sdslim_core.hosts.a1111 import params
 
 SETTINGS = {"enable": True, "adapters": "a.safetensors", "strength": 0.5}
 

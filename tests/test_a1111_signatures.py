@@ -229,9 +229,9 @@ def test_script_hooks_are_upstream_hooks_and_accept_the_runner_call(webui):
 
 
 def test_the_lora_reader_reads_only_recorded_attributes():
-    """sdslim_core.a1111_lora reads the Lora extension's network modules by attribute: each one it reads exists in
+    """sdslim_core.hosts.a1111.lora reads the Lora extension's network modules by attribute: each one it reads exists in
     the recorded v1.10.1 classes (their own or NetworkModule's), as do the methods it calls."""
-    from sdslim_core import a1111_lora
+    from sdslim_core.hosts.a1111 import lora as a1111_lora
     base = WEBUI["network"]["NetworkModule"]
     shared = set(base["attributes"]) | set(base["methods"])
     for cls, (_, attrs) in a1111_lora._ATTRIBUTES.items():

@@ -1,10 +1,10 @@
-"""sdslim_core.a1111_swap.LiveSlim on a real (tiny) LDM UNet, without any webui."""
+"""sdslim_core.hosts.a1111.swap.LiveSlim on a real (tiny) LDM UNet, without any webui."""
 import pytest
 import torch
 
 from a1111_standin.harness import one_thread, tiny_unet, write_adapters  # noqa: F401 (fixture)
 from sdslim_core import adapters, fold
-from sdslim_core.a1111_swap import LiveSlim, SwapError
+from sdslim_core.hosts.a1111.swap import LiveSlim, SwapError
 
 FF = "input_blocks.1.1.transformer_blocks.0.ff"
 

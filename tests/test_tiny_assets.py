@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from sdslim_core import layout, sampling, tiny, tiny_data, tiny_text
+from sdslim_core import layout, sampling, tiny
+from sdslim_core.tiny import data as tiny_data, text as tiny_text
 from sdslim_core.safetensors_io import read_header
 
 MANIFEST = tiny.ASSETS / "manifest.json"

@@ -12,7 +12,8 @@ from sdslim_core.vram.estimate import BREAKDOWN_GROUPS, grouped_breakdown
 from sdslim_core.vram.fit import CurveFit, largest_batch
 from sdslim_core.vram.settings import Settings
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sdslim_core", "assets")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sdslim_core", "tiny",
+                      "assets")
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from selenium.webdriver.common.keys import Keys  # noqa: E402
 from sdslim_core import cli  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ASSETS = os.path.join(REPO, "sdslim_core", "assets")
+ASSETS = os.path.join(REPO, "sdslim_core", "tiny", "assets")
 SHOTS = os.environ.get("SDSLIM_UI_SCREENSHOTS")
 
 

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from sdslim_core.safetensors_io import file_sha256  # noqa: E402
 
-ASSETS = ROOT / "sdslim_core" / "assets"
+ASSETS = ROOT / "sdslim_core" / "tiny" / "assets"
 MANIFEST = ASSETS / "manifest.json"
 IMG = ROOT / "docs" / "img"
 
@@ -141,12 +141,12 @@ def _readme(manifest: dict) -> str:
              "- `first_stage_model.*`: LDM VAE keys (a diffusers `AutoencoderKL` written by `tiny.vae_to_ldm`, "
              "attention projections as 1×1 convs, read back by diffusers' own LDM converter); 32×32 RGB ↔ 4×8×8 "
              "latents.",
-             "- `cond_stage_model.*`: `sdslim_core.tiny_text.TinyTextEncoder` (word tokenizer, 12 tokens → 768).",
+             "- `cond_stage_model.*`: `sdslim_core.tiny.text.TinyTextEncoder` (word tokenizer, 12 tokens → 768).",
              "- metadata: `sdslim.unet_config` (UNetConfig JSON, heads included), `sdslim.tiny.vae_config` "
              "(AutoencoderKL kwargs with `scaling_factor`), `sdslim.tiny.text_config` (vocabulary and sizes), "
              "`sdslim.tiny.schedule` (SD scaled-linear betas 0.00085–0.012, 1000 steps, epsilon), "
              "`sdslim.tiny.image_size`, `sdslim.tiny.vae_layout` (`ldm`), `sdslim.tiny.command`, `sdslim.tiny.train`.",
-             "- data: `sdslim_core.tiny_data` (procedural shapes; captions like "
+             "- data: `sdslim_core.tiny.data` (procedural shapes; captions like "
              "\"a red circle on a blue background\").",
              "- ComfyUI's checkpoint loader does not auto-detect it (its SD1.5 match also needs 320 base channels, and",
              "  the text encoder is not CLIP); load it with `sdslim_core.tiny.load_tiny_pipeline()`.", ""]

@@ -15,7 +15,8 @@ from tiny_common import (IMG, command_line, diffusion_loss, drop_captions, image
 import torch
 from tqdm import tqdm
 
-from sdslim_core import sampling, tiny, tiny_data
+from sdslim_core import sampling, tiny
+from sdslim_core.tiny import data as tiny_data
 from sdslim_core.safetensors_io import save_file_atomic
 
 

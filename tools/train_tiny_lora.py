@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from sdslim_core import sampling, tiny, tiny_data
+from sdslim_core import sampling, tiny
+from sdslim_core.tiny import data as tiny_data
 from sdslim_core.safetensors_io import save_file_atomic
 
 GREEN = tiny_data.colour_index("green")

@@ -19,7 +19,8 @@ from tiny_common import (IMG, EMA, command_line, diffusion_loss, drop_captions, 
 import torch
 from tqdm import tqdm
 
-from sdslim_core import layout, sampling, tiny, tiny_data, tiny_text
+from sdslim_core import layout, sampling, tiny
+from sdslim_core.tiny import data as tiny_data, text as tiny_text
 from sdslim_core.safetensors_io import save_file_atomic
 from sdslim_core.unet import UNET_CONFIG_KEY, build_diffusers_unet
 
@@ -139,7 +140,7 @@ def save(args, cfg, unet, text, tokenizer, vae, schedule, seconds, final_loss):
         "sdslim.tiny.vae_layout": "ldm",
         "sdslim.tiny.command": command,
         "sdslim.tiny.train": json.dumps({"seconds": round(seconds), "final_loss": final_loss,
-                                         "dataset": "sdslim_core.tiny_data (procedural shapes)"}),
+                                         "dataset": "sdslim_core.tiny.data (procedural shapes)"}),
     }
     path = tiny.TEACHERS[args.name].model
     save_file_atomic(tensors, path, metadata)

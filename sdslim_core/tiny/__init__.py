@@ -5,7 +5,7 @@ Two teachers ship (:data:`TEACHERS`): ``tiny`` (base width 32, the demo's) and `
 
 The file is an LDM single-file checkpoint: ``model.diffusion_model.`` (canonical UNet keys),
 ``first_stage_model.`` (LDM VAE keys, written by :func:`vae_to_ldm`, read back with diffusers' own LDM converter)
-and ``cond_stage_model.`` (the tiny text encoder of :mod:`tiny_text`), with the JSON configs needed to rebuild each
+and ``cond_stage_model.`` (the tiny text encoder of :mod:`sdslim_core.tiny.text`), with the JSON configs needed to rebuild each
 part in its metadata (see ``assets/README.md``).
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from . import lora, sampling, tiny_text, unet as unet_mod
-from .safetensors_io import FileFormatError, load_file
+from .. import lora, sampling, unet as unet_mod
+from . import text as tiny_text
+from ..safetensors_io import FileFormatError, load_file
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 

@@ -24,11 +24,11 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
-from . import fold, layout, swap
-from .adapters import AdapterSet
-from .layers import LayerError, resize_like
-from .lora import apply_deltas, module_parts
-from .lora_slim import SlimSpace
+from ... import fold, layout, swap
+from ...adapters import AdapterSet
+from ...layers import LayerError, resize_like
+from ...lora import apply_deltas, module_parts
+from ...lora_slim import SlimSpace
 
 
 class SwapError(RuntimeError):

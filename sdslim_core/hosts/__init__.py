@@ -1,0 +1,1 @@
+"""Host glue: the logic of each host integration, kept importable without the host."""

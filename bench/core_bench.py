@@ -15,7 +15,7 @@ import time
 import torch
 
 from sdslim_core import adapters, breakdown, fold, layout, rank_policy, swap
-from sdslim_core.breakdown_cli import canonical_shapes_for_arch
+from sdslim_core.cli.breakdown import canonical_shapes_for_arch
 from sdslim_core.unet import build_diffusers_unet
 
 RATIOS = (0.75, 0.5, 0.25)

@@ -252,7 +252,7 @@ def write_inputs(folder: Path, shapes: dict, ratio: float, cfg=None) -> dict:
 def generate(folder: Path, ratio: float, threads: int):
     """Write the inputs into ``folder`` (run in a child process, so the measuring parent stays small)."""
     import torch
-    from sdslim_core.breakdown_cli import canonical_shapes_for_arch
+    from sdslim_core.cli.breakdown import canonical_shapes_for_arch
     torch.set_num_threads(threads)
     shapes, _ = canonical_shapes_for_arch("sd15")
     print(json.dumps(write_inputs(folder, shapes, ratio)))

@@ -253,14 +253,3 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary, default=str))
     return 0
-
-
-def register(sub):
-    p = sub.add_parser("demo", help="the whole mission on the shipped tiny model (a few minutes on a CPU)")
-    p.add_argument("--out", default="out/demo", help="output folder (grid.png, summary.json/.md, adapters)")
-    p.add_argument("--ratio", type=float, default=0.5, help="slim width fraction")
-    p.add_argument("--fast", action="store_true", help="fewer training steps (for tests)")
-    p.add_argument("--sample-steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
-    p.set_defaults(func=run)

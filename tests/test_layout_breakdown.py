@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_config
 from sdslim_core import breakdown, fold, layout, rank_policy
-from sdslim_core.breakdown_cli import canonical_shapes_for_arch
+from sdslim_core.cli.breakdown import canonical_shapes_for_arch
 from sdslim_core.safetensors_io import save_file_atomic
 from sdslim_core.unet import build_diffusers_unet, open_checkpoint
 

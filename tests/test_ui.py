@@ -85,7 +85,7 @@ def test_paths_output_is_a_new_plain_file(tree):
 
 def test_planner_argv_is_the_cli_setting(tree):
     """The form becomes CLI arguments; the CLI's own parser turns them into the Settings the form describes."""
-    from sdslim_core.vram.cli import settings_from_args
+    from sdslim_core.cli.vram import settings_from_args
     roots = Roots([ASSETS])
 
     def settings(form):

@@ -148,7 +148,7 @@ def test_fallback_without_compiler(tmp_path):
 
 
 def test_cli_estimate_json_contract(capsys):
-    from sdslim_core.vram import cli
+    from sdslim_core.cli import vram as cli
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["vram", "estimate", "--arch", "sd15", "--resolution", "256", "--batch-sizes", "2,1",

@@ -102,7 +102,7 @@ def test_read_safetensors_shapes(tmp_path):
 
 
 def test_package_import_is_light():
-    code = ("import sys, sdslim_core.vram, sdslim_core.vram.estimate, sdslim_core.vram.cli, "
+    code = ("import sys, sdslim_core.vram, sdslim_core.vram.estimate, sdslim_core.cli.vram, "
             "sdslim_core.vram.outputs; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

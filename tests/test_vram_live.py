@@ -98,7 +98,7 @@ def test_weights_report_without_classifier(monkeypatch):
 
 def test_cli_report_json(capsys):
     import argparse
-    from sdslim_core.vram import cli
+    from sdslim_core.cli import vram as cli
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["vram", "report", "--device", "cpu", "--json"])

@@ -3,7 +3,7 @@
 - planner: the form becomes ``sdslim vram estimate`` arguments, parsed by the CLI's parser and run by its
   ``estimate_results`` (a worker process) in a background thread per browser session, cancellable,
   cached per setting; the JSON shown is the one ``--json`` prints;
-- breakdown: ``breakdown_cli.breakdown_result`` (the ``sdslim breakdown --json`` object);
+- breakdown: ``cli.breakdown.breakdown_result`` (the ``sdslim breakdown --json`` object);
 - slim: ``slim.slim_checkpoint`` with the CLI's summary and error messages;
 - compare: ``evaluate.evaluate`` (``sdslim eval``) and its side-by-side PNG.
 
@@ -178,7 +178,7 @@ class Planner:
         return job
 
     def _run(self, job: PlanJob, args):
-        from ..vram.cli import estimate_results, results_json
+        from ..cli.vram import estimate_results, results_json
         from ..vram.estimate import EstimateCancelled
         try:
             results = estimate_results(args, cancel=job.cancel, on_progress=job.on_progress, **self.worker_kw)
@@ -285,7 +285,7 @@ def gpu_memory() -> tuple[float | None, str]:
 def breakdown_view(roots: Roots, source: str, arch: str, ckpt: str, mode: str, ratio: float | None):
     """(the ``sdslim breakdown --json`` object, markdown table, bar chart) for a family or a checkpoint."""
     from ..breakdown import ROWS, table_rows
-    from ..breakdown_cli import breakdown_result
+    from ..cli.breakdown import breakdown_result
     _choice(mode, ("exact", "seed"), "mode")
     ratio = float(ratio) if ratio else None
     if source == "checkpoint":
@@ -342,7 +342,7 @@ def run_slim(roots: Roots, ckpt: str, adapters: str, loras, select: float, out_f
     """``sdslim slim`` for the UI: (the CLI's summary text, its ``--json`` object). Raises on bad input (nothing
     is written then); :func:`user_error` turns that into the CLI's message."""
     from ..slim import slim_checkpoint
-    from ..slim_cli import summary_text
+    from ..cli.slim import summary_text
     ckpt = roots.resolve(ckpt, "checkpoint")
     adapters = roots.resolve(adapters, "adapter file")
     loras = resolve_loras(roots, loras)

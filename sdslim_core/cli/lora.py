@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from .lora import LoraError, LoraMerger, MergeReport, parse_lora_arg, text_encoder_part
-from .lora_slim import convert_modules, kohya_tensors
-from .safetensors_io import save_file_atomic
+from ..lora import LoraError, LoraMerger, MergeReport, parse_lora_arg, text_encoder_part
+from ..lora_slim import convert_modules, kohya_tensors
+from ..safetensors_io import save_file_atomic
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -49,7 +49,7 @@ def convert_lora_for_slim(slim_path, lora, out, strength: float = 1.0, adapters=
     modules on layers the fold keeps and the text-encoder keys are copied. Before writing, the result is parsed
     again against the slim checkpoint's own shapes, as a shape-checking loader would. Nothing is written on error.
     """
-    from .slim import check_output_path, open_slim
+    from ..slim import check_output_path, open_slim
     out = Path(out)
     check_output_path(out, slim_path, lora, what="the converted LoRA")
     view = open_slim(slim_path, adapters)

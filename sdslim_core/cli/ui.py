@@ -5,14 +5,14 @@ import ipaddress
 import os
 import sys
 
-from ..cli import error_text
+from . import error_text
 
 
 def run(args) -> int:
-    from .paths import Roots
+    from ..ui.paths import Roots
     roots = Roots(args.root or [os.getcwd()])
     try:
-        from .app import import_gradio, launch
+        from ..ui.app import import_gradio, launch
         import_gradio()
     except ModuleNotFoundError as err:
         if err.name != "gradio":

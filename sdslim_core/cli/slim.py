@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .lora import parse_lora_arg
+from ..lora import parse_lora_arg
 
 
 def _progress(enabled: bool):
@@ -39,7 +39,7 @@ def summary_text(result, loras) -> str:
 
 
 def run(args) -> int:
-    from .slim import slim_checkpoint
+    from ..slim import slim_checkpoint
     loras = [parse_lora_arg(x) for x in args.lora]
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
                              progress=_progress(not args.json and sys.stderr.isatty()),

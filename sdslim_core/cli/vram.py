@@ -3,8 +3,8 @@ import json
 import os
 import sys
 
-from ..cli import error_text
-from .settings import (ARCHS, ATTENTIONS, DEFAULT_BATCH_SIZES, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings,
+from . import error_text
+from ..vram.settings import (ARCHS, ATTENTIONS, DEFAULT_BATCH_SIZES, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings,
                        parse_batch_sizes, select_matrix, settings_from_ckpt, with_overrides)
 
 DEFAULT_RESOLUTION = {"sd15": 768, "sd2": 768, "sdxl": 1024}
@@ -80,7 +80,7 @@ def _emit(obj, text, as_json):
 
 
 def cmd_report(args) -> int:
-    from .live import memory_report
+    from ..vram.live import memory_report
     rep = memory_report(args.device)
     _emit(rep.to_dict(), rep.format_text(), args.json)
     return 0
@@ -97,7 +97,7 @@ def cmd_estimate(args) -> int:
 
 def estimate_results(args, **worker_kw) -> list:
     """The curves ``sdslim vram estimate`` computes for parsed ``args`` (``worker_kw``: see ``run_worker``)."""
-    from . import estimate
+    from ..vram import estimate
     batches = parse_batch_sizes(args.batch_sizes)
     if args.matrix:
         entries = with_overrides(select_matrix(args.matrix), args.arch, args.resolution)
@@ -123,7 +123,7 @@ def _estimate(args) -> int:
     for w in sorted({w for r in results for w in r.warnings}):
         print(f"warning: {w}", file=sys.stderr)
     if args.out:
-        from .outputs import write_outputs
+        from ..vram.outputs import write_outputs
         paths = write_outputs([r.to_dict() for r in results], args.out, "vram_estimate",
                               f"estimated peak VRAM ({results[0].settings.label()})")
         print(f"wrote {', '.join(paths.values())}", file=sys.stderr)
@@ -137,8 +137,8 @@ def cmd_study(args) -> int:
         print("sdslim vram study: no CUDA GPU is visible to torch; the study measures a real GPU. "
               "Use `sdslim vram estimate` for a prediction without one.", file=sys.stderr)
         return 2
-    from .outputs import write_outputs
-    from .study import run_study
+    from ..vram.outputs import write_outputs
+    from ..vram.study import run_study
     entries = with_overrides(select_matrix(args.matrix), args.arch, args.resolution)
     curves = run_study(entries, parse_batch_sizes(args.batch_sizes), args.steps, args.device,
                        log=lambda m: print(m, file=sys.stderr, flush=True))

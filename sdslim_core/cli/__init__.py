@@ -1,4 +1,5 @@
-"""`sdslim` command line: each command's parser lives beside its implementation.
+"""`sdslim` command line: one module per command in this package (argument parsing and output; the work is
+done by the core modules they call).
 
 Every command module exposes ``register(subparsers)``, which adds its sub-parser and sets ``func``
 (called with the parsed namespace, returning an exit code). ``--json`` prints one JSON object on
@@ -8,18 +9,10 @@ import argparse
 import importlib
 import sys
 
-from .optional import MissingDependency
+from ..optional import MissingDependency
 
-COMMAND_MODULES = (
-    "sdslim_core.breakdown_cli",
-    "sdslim_core.train.cli",
-    "sdslim_core.slim_cli",
-    "sdslim_core.lora_cli",
-    "sdslim_core.evaluate_cli",
-    "sdslim_core.vram.cli",
-    "sdslim_core.demo",
-    "sdslim_core.ui.cli",
-)
+COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
+                        ("breakdown", "train", "slim", "lora", "evaluate", "vram", "demo", "ui"))
 
 # What a command's bad input raises; the message is shown as it is (CLI and ``sdslim ui`` alike).
 USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency)
@@ -65,5 +58,3 @@ def main(argv=None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())

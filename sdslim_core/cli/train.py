@@ -108,7 +108,7 @@ def _read_images(folder, size: int):
 
 def build_calibration(args, ckpt, pipe):
     from .. import sampling
-    from .calibration import Calibration
+    from ..train.calibration import Calibration
     schedule = pipe.schedule if pipe is not None else sampling.Schedule()
     prompts = _prompts(args)
     base = None
@@ -150,7 +150,7 @@ def build_calibration(args, ckpt, pipe):
 
 
 def config_from_args(args, pipe=None, log=None):
-    from .config import TrainConfig
+    from ..train.config import TrainConfig
     kw = {}
     for name, attr in (("ratio", "ratio"), ("ff_rank", "ff_rank"), ("ff_ratio", "ff_ratio"),
                        ("res_ratio", "res_ratio"), ("budget", "budget"), ("stage1_steps", "stage1_steps"),
@@ -183,8 +183,8 @@ def config_from_args(args, pipe=None, log=None):
 
 def cmd_train(args) -> int:
     from ..unet import open_checkpoint
-    from .checkpoint import CheckpointError
-    from .run import train_adapters
+    from ..train.checkpoint import CheckpointError
+    from ..train.run import train_adapters
 
     def log(msg):
         from tqdm.auto import tqdm

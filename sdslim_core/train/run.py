@@ -7,7 +7,6 @@ one (on the same device and software; CUDA kernels are not all bit-deterministic
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -20,7 +19,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from .. import layout, optional, rank_policy, swap
+from .. import layout, optional, rank_policy
 from ..adapters import AdapterSet
 from ..safetensors_io import load_file, save_file_atomic
 from ..unet import load_diffusers_unet
@@ -29,6 +28,7 @@ from . import dist, ranks as ranks_mod, report as report_mod, sensitivity, stage
 from .config import TrainConfig
 from .init import SiteInit
 from .sites import SiteData, build_student, make_site_adapter
+from .teacher import TeacherPlacement, free_device_memory
 from .vram import adapter_param_count
 
 DEFAULT_LATENT = {"sd15": 64, "sd2": 96, "sdxl": 128}
@@ -154,7 +154,7 @@ class Run:
         self.naming = "diffusers"
         self.teacher = load_diffusers_unet(weights, cfg, dtype=self.teacher_dtype, device="cpu")
         self.teacher.eval().requires_grad_(False)
-        self._teacher_on = "cpu"
+        self.placement = TeacherPlacement(self.teacher, cfg, self.device)
         canon_params, _, _ = layout.to_canonical(dict(self.teacher.state_dict()))
         self.shapes = {k: tuple(v.shape) for k, v in canon_params.items()}
         self.teacher_fp = _fingerprint_tensors((k, canon_params[k]) for k in sorted(canon_params)[::7])
@@ -190,40 +190,12 @@ class Run:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def free_device_memory(self):
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def teacher_on_device(self) -> nn.Module:
-        if self._teacher_on != str(self.device):
-            self.teacher.to(self.device)
-            self._teacher_on = str(self.device)
-        return self.teacher
-
-    def offload_teacher_site(self, site: str):
-        """Move one site's teacher layers off the device (a finished stage-2 group runs folded)."""
-        if self.device.type != "cpu":
-            self.teacher_site(site).to("cpu")
-            self._teacher_on = "mixed"
-
-    def release_teacher(self):
-        if self._teacher_on != "cpu":
-            self.teacher.to("cpu")
-            self._teacher_on = "cpu"
-            self.free_device_memory()
-
-    def teacher_site(self, site: str) -> nn.Module:
-        return self.teacher.get_submodule(swap.site_path(self.teacher, site, self.cfg))
-
-    def teacher_site_on_device(self, site: str) -> nn.Module:
-        mod = self.teacher_site(site)
-        if self._teacher_on == str(self.device):
-            return mod
-        return copy.deepcopy(mod).to(self.device)
+        free_device_memory(self.device)
 
     def norm_eps(self, site: str) -> float:
         if self.site_by_name[site].kind != "res":
             return 1e-5
-        return self.teacher_site(site).get_submodule(layout.RES_LAYERS[self.naming]["norm2"]).eps
+        return self.placement.site(site).get_submodule(layout.RES_LAYERS[self.naming]["norm2"]).eps
 
     def site_data(self, site: str, teacher_site: nn.Module) -> SiteData:
         kind = self.site_by_name[site].kind
@@ -343,7 +315,7 @@ class Run:
             t0 = time.perf_counter()
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True, exist_ok=True)
-            teacher = self.teacher_on_device()
+            teacher = self.placement.on_device()
             self.progress.start_stage("calibration", self.tc.n_trajectories if self.calib.latents is None
                                       else self.tc.n_noised, unit="traj" if self.calib.latents is None else "input")
             bank = cal.build_inputs(teacher, self.cfg, self.calib, self.tc, self.device, self.compute_dtype,
@@ -358,7 +330,7 @@ class Run:
                               self.amp, progress=lambda d, n: self._bar_to(d, n))
             self.progress.end_stage()
             cal.write_manifest(folder, store, fp, self.calib.description)
-            self.release_teacher()
+            self.placement.release()
             self.timing["calibration_s"] = time.perf_counter() - t0
             self.say(f"calibration: {len(bank)} UNet inputs ({int(bank.is_eval.sum())} held out), "
                      f"{len(store.shards)} shard(s) in {folder}")
@@ -380,7 +352,7 @@ class Run:
 
     # --------------------------------------------------------- initialisation
     def _site_init(self, site: str) -> tuple[SiteInit, nn.Module]:
-        teacher_site = self.teacher_site_on_device(site)
+        teacher_site = self.placement.site_on_device(site)
         data = self.site_data(site, teacher_site)
         return SiteInit(self.site_by_name[site], teacher_site, self.naming, data, self.weights, self.cfg.family,
                         self.device, self.compute_dtype, self.amp, seed=self.tc.seed), teacher_site
@@ -407,7 +379,7 @@ class Run:
                 if tc.allocation == "site":
                     curve = {r: e * e for r, e in si.curve(grids[site], method).items()}
                 else:
-                    teacher = self.teacher_on_device()
+                    teacher = self.placement.on_device()
                     curve = {}
                     for r in grids[site]:
                         one = AdapterSet(self.cfg.family, {site: si.tensors(method, r)},
@@ -423,12 +395,12 @@ class Run:
             local[site] = curve
             self.progress.skip(len(local))
         self.progress.end_stage()
-        self.release_teacher()
+        self.placement.release()
         curves = self.gather(local)
         if tc.budget_by == "flops":
-            full, per_rank = sensitivity.flops_per_rank(self.teacher_on_device(), self.cfg, self.site_list, self.bank,
+            full, per_rank = sensitivity.flops_per_rank(self.placement.on_device(), self.cfg, self.site_list, self.bank,
                                                         self.device, self.compute_dtype, self.amp)
-            self.release_teacher()
+            self.placement.release()
             budget = ranks_mod.uniform_total(self.site_list, tc.ratio, full, per_rank)
             ranks, info = ranks_mod.allocate(self.site_list, self.shapes, curves, budget, per_rank, full, "flops")
         else:
@@ -495,13 +467,13 @@ class Run:
         if not self.topo.main:
             return None
         err = stage2.measure(self, aset, self.bank)
-        self.release_teacher()
+        self.placement.release()
         return err
 
     def final_site_errors(self, aset: AdapterSet) -> dict:
         local = {}
         for site in self.owned_sites(aset.sites):
-            teacher_site = self.teacher_site_on_device(site)
+            teacher_site = self.placement.site_on_device(site)
             data = self.site_data(site, teacher_site)
             adapter = make_site_adapter(site, aset.kind(site), aset.sites[site], aset.groups(site),
                                         self.norm_eps(site)).to(self.device)
@@ -564,7 +536,7 @@ class Run:
             site_err = self.final_site_errors(final)
         else:
             final, site_err = aset_s1, err_s1
-        self.release_teacher()
+        self.placement.release()
         report.site_error = {"init": err_init, "stage1": err_s1}
         if tc.stage2_steps > 0:
             report.site_error["final"] = site_err

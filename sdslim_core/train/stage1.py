@@ -94,7 +94,7 @@ def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
             run.progress.skip(global_step)
             continue
         kind = aset.kind(site)
-        teacher_site = run.teacher_site_on_device(site)
+        teacher_site = run.placement.site_on_device(site)
         data = run.site_data(site, teacher_site)
         adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
                                     run.norm_eps(site)).to(run.device)

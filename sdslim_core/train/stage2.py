@@ -95,7 +95,7 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
     adapters; the ``done`` sites (earlier groups) replaced by their folded students, whose teacher layers leave
     the device; every other site is the teacher."""
     # a "mixed" teacher has earlier groups' layers off the device already: keep them there
-    teacher = run.teacher if run._teacher_on == "mixed" else run.teacher_on_device()
+    teacher = run.placement.as_placed()
     group = [s for s in run.site_order if s in aset.sites] if group is None else list(group)
     done = [s for s in run.site_order if s in set(done)]
     slim = None
@@ -107,7 +107,7 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
         a.to(run.device)
     for site in done:
         path = swap.site_path(teacher, site, run.cfg)
-        run.offload_teacher_site(site)
+        run.placement.offload_site(site)
         # after the offload: layers the folded site shares with the teacher (norm1, skip) come back to the device
         set_module(tree, path, slim.get_submodule(path).to(run.device))
     tree.requires_grad_(False)
@@ -120,7 +120,7 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
 @torch.no_grad()
 def measure(run, aset: AdapterSet, bank: InputBank) -> float:
     """All-student UNet error in the folded (slim) form: no adapter tensors on the device."""
-    teacher = run.teacher_on_device()
+    teacher = run.placement.on_device()
     slim = swap.slim_module(teacher, aset).eval()
     ids = bank.eval_ids()
     num = den = 0.0
@@ -217,7 +217,7 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
         pairs = bank.cfg_pairs(fit) if tc.guided_loss and tc.guidance != 1.0 else torch.empty(0, 2)
         aug = None
         if len(groups) == 1 and (tc.control_prob or tc.lora_prob):     # the gates-off tree must be the teacher
-            aug = Augmenter(run.teacher_on_device(), bank, group, run.cfg, tc.seed, tc.control_prob, tc.lora_prob,
+            aug = Augmenter(run.placement.on_device(), bank, group, run.cfg, tc.seed, tc.control_prob, tc.lora_prob,
                             tc.lora_scale, device=run.device, dtype=run.compute_dtype, amp=run.amp)
         world, rank = run.topo.world, run.topo.rank
         gbs = tc.stage2_batch * world

@@ -29,6 +29,7 @@ from .config import TrainConfig
 from .init import SiteInit
 from .sites import SiteData, build_student, make_site_adapter
 from .teacher import TeacherPlacement, free_device_memory
+from .workdir import WorkDir
 from .vram import adapter_param_count
 
 DEFAULT_LATENT = {"sd15": 64, "sd2": 96, "sdxl": 128}
@@ -164,7 +165,8 @@ class Run:
         self.site_by_name = {s.name: s for s in self.site_list}
         self.out_path = Path(out_path)
         self.work_dir = Path(tc.work_dir) if tc.work_dir else self.out_path.with_name(self.out_path.name + ".work")
-        self.ckpt_dir = self.work_dir / "checkpoints"
+        self.work = WorkDir(self.work_dir, self.topo, self.say)
+        self.ckpt_dir = self.work.checkpoints
         self.resume = resume
         self.calib = calib or cal.Calibration.unconditional()
         self.latent_size = tc.latent_size or DEFAULT_LATENT.get(cfg.family, 64)
@@ -276,34 +278,7 @@ class Run:
                 "latent_size": self.latent_size, "world": self.topo.world}
 
     def prepare_work_dir(self, fp: dict):
-        run_file = self.work_dir / "run.json"
-        if self.resume == "auto" and self.topo.main:
-            same = run_file.exists() and json.loads(run_file.read_text()) == fp
-            if run_file.exists() and not same:
-                self.say(f"work dir {self.work_dir} holds a run with other settings: starting over")
-            self.resume = bool(same)
-        if self.topo.distributed:
-            self.resume = self.topo.broadcast_object(self.resume)
-        if self.topo.main:
-            if self.resume and run_file.exists():
-                old = json.loads(run_file.read_text())
-                if old != fp:
-                    diff = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
-                    if "run" in diff:
-                        diff = [f"run.{k}" for k in sorted(fp["run"]) if old.get("run", {}).get(k) != fp["run"][k]]
-                    raise ValueError(f"--resume: the work dir {self.work_dir} holds a run with other settings "
-                                     f"({', '.join(diff)}); use another --work-dir, or run without --resume")
-            else:
-                for sub in ("checkpoints", "stage1", "stage2", "init", "calib"):
-                    shutil.rmtree(self.work_dir / sub, ignore_errors=True)
-                for f in ("init.safetensors", "stage1.safetensors", "run.json"):
-                    (self.work_dir / f).unlink(missing_ok=True)
-            for sub in ("checkpoints", "stage1", "stage2", "init", "calib"):
-                (self.work_dir / sub).mkdir(parents=True, exist_ok=True)
-            tmp = run_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(fp, indent=1))
-            tmp.replace(run_file)
-        self.topo.barrier()
+        self.resume = self.work.prepare(fp, self.resume)
 
     # ------------------------------------------------------------ calibration
     def calibrate(self, fp: dict):

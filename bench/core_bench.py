@@ -79,7 +79,8 @@ def latency(repeats: int):
     weights = layout.to_canonical(unet.state_dict())[0]
     models = {"original": unet}
     for ratio in RATIOS:
-        aset = adapters.AdapterSet.init_select(weights, rank_policy.ranks_for_ratio(layout.sites(weights), ratio), "sd15")
+        ranks = rank_policy.ranks_for_ratio(layout.sites(weights), ratio)
+        aset = adapters.AdapterSet.init_select(weights, ranks, "sd15")
         models[f"slim {ratio}"] = swap.slim_module(unet, aset, weights).eval()
     x, t, ctx = torch.randn(1, 4, 64, 64), torch.tensor([500]), torch.randn(1, 77, 768)
     with torch.inference_mode():

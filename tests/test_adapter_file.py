@@ -38,7 +38,8 @@ def test_res_ranks_keep_whole_norm2_groups():
     assert rank_policy.rank_for_ratio(320, 0.75, "res") == 240 and rank_policy.res_groups(320, 240) == 24
     assert rank_policy.rank_for_ratio(640, 0.01, "res") == 20 and rank_policy.res_groups(640, 20) == 1
     assert rank_policy.res_groups(320, 320) == 32 and rank_policy.res_groups(64, 32) == 16
-    assert rank_policy.rank_for_ratio(48, 0.5, "res") == 24 and rank_policy.res_groups(48, 24) == 24   # 32 ∤ 48: per channel
+    # 32 ∤ 48: per channel
+    assert rank_policy.rank_for_ratio(48, 0.5, "res") == 24 and rank_policy.res_groups(48, 24) == 24
     assert rank_policy.rank_for_ratio(1280 * 4, 0.5, "ff") == 2560
     assert rank_policy.norm_groups_for(80) == 20 and rank_policy.norm_groups_for(7) == 7
 

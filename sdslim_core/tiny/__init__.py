@@ -5,8 +5,8 @@ Two teachers ship (:data:`TEACHERS`): ``tiny`` (base width 32, the demo's) and `
 
 The file is an LDM single-file checkpoint: ``model.diffusion_model.`` (canonical UNet keys),
 ``first_stage_model.`` (LDM VAE keys, written by :func:`vae_to_ldm`, read back with diffusers' own LDM converter)
-and ``cond_stage_model.`` (the tiny text encoder of :mod:`sdslim_core.tiny.text`), with the JSON configs needed to rebuild each
-part in its metadata (see ``assets/README.md``).
+and ``cond_stage_model.`` (the tiny text encoder of :mod:`sdslim_core.tiny.text`), with the JSON configs needed to
+rebuild each part in its metadata (see ``assets/README.md``).
 """
 from __future__ import annotations
 

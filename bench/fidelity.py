@@ -2,17 +2,19 @@
 same seeds, same prompts, same LoRA and ControlNet.
 
     .venv/bin/python bench/fidelity.py [--teachers tiny,wide] [--targets 0.85,0.75,half,0.55]
-        [--budgets init,demo,long] [--long-at half] [--out out/bench-fidelity] [--ablation]
+        [--budgets init,demo,long] [--long-at half] [--trained-at half] [--stack fp8,q8_0,q4_0]
+        [--out out/bench-fidelity] [--reuse] [--ablation]
 
 For each shipped teacher (``tiny``: base width 32; ``wide``: base width 64) and each target slim parameter ratio
 (``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks, ranks allocated at equal parameters and
-ranks allocated at uniform's forward FLOPs (``--budget-by flops``), training-free (``init``), after the demo's training budget (``demo``) and after a longer one (``long``,
-at ``--long-at`` targets only); the alternatives in the same table; slim stacked with fp8. CPU time is the training
-process's CPU seconds (calibration included). Columns: params ×, weight bytes (the format's own: fp16, fp8, GGUF
-blocks), UNet forward FLOPs ×, same-seed latent PSNR, image PSNR / SSIM, ε relative error (and CFG-guided),
-LoRA-effect cosine, ControlNet-effect cosine. ``--ablation`` adds the held-out per-site error of each
+ranks allocated at uniform's forward FLOPs (``--budget-by flops``), training-free (``init``), after the demo's
+training budget (``demo``) and after a longer one (``long``, at ``--long-at`` targets only); the alternatives in
+the same table; each target's best allocated slim model stacked with fp8, Q8_0 and Q4_0 storage. CPU time is the
+training process's CPU seconds (calibration included). Columns: params ×, weight bytes (the format's own: fp16,
+fp8, GGUF blocks), UNet forward FLOPs ×, same-seed latent PSNR, image PSNR / SSIM, ε relative error (and
+CFG-guided), LoRA-effect cosine, ControlNet-effect cosine. ``--ablation`` adds the held-out per-site error of each
 initialisation step (v0.1's act_select → whole norm2 groups → OBS selection → FF intercept) and the whole-UNet
-error of uniform vs allocated ranks.
+error of a sequential refit of the allocated init.
 """
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ def uniform_ratio_for(shapes: dict, target: float) -> float:
 class Teacher:
     """One shipped teacher with everything the ladder compares on."""
 
-    def __init__(self, name: str, n_images: int = 12, seed: int = 0):
-        self.name = name
+    def __init__(self, name: str, n_images: int = 12, seed: int = 0, reuse: bool = False):
+        self.name, self.reuse = name, reuse
         assets = tiny.TEACHERS[name]
         self.pipe = tiny.load_tiny_pipeline(assets.model)
         self.cfg = self.pipe.checkpoint.config
@@ -100,11 +102,16 @@ class Teacher:
         tc = TrainConfig(ratio=ratio, uniform=mode == "uniform", budget_by="flops" if mode == "flops" else "params",
                          guidance=4.0, latent_size=self.pipe.latent_size, seed=0, work_dir=str(work),
                          **BUDGETS[budget])
+        out, record = work / "adapters.safetensors", work / "cpu_s.json"
+        if self.reuse and out.exists() and record.exists():
+            return adapters.AdapterSet.load(out), json.loads(record.read_text())["cpu_s"]
         t0 = time.process_time()
         res = train_adapters(self.pipe.unet, self.cfg, Calibration.from_prompts(self.calib_prompts,
                                                                                 self.pipe.encode_prompt),
-                             tc, work / "adapters.safetensors")
-        return res.adapters, time.process_time() - t0
+                             tc, out)
+        cpu_s = time.process_time() - t0
+        record.write_text(json.dumps({"cpu_s": cpu_s}))
+        return res.adapters, cpu_s
 
 
 def ablation(t: Teacher, ratio: float, work: Path) -> dict:
@@ -213,7 +220,10 @@ def fmt_row(r: dict) -> str:
             f"{f(r.get('lora_effect_cosine'), '.4f')} | {f(r.get('controlnet_effect_cosine'), '.4f')} | {cpu} |")
 
 
-HEADER = ("| row | params × | MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM | ε rel err | "
+STORAGE = {"fp8": "fp8 e4m3fn storage", "q8_0": "GGUF Q8_0", "q4_0": "GGUF Q4_0"}
+
+HEADER = ("| row | params × | MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM | "
+          "ε rel err | "
           "guided ε rel err | LoRA cos | ControlNet cos | train CPU-min |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
@@ -227,6 +237,10 @@ def main():
     ap.add_argument("--trained-at", default="", help="targets that get the training budgets (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("--stack", default="fp8,q8_0,q4_0",
+                    help="storage formats stacked on each target's best allocated slim model")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse finished trainings in --out's work dirs (adapters + their recorded CPU time)")
     ap.add_argument("--out", default="out/bench-fidelity")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -240,14 +254,13 @@ def main():
     budgets = args.budgets.split(",")
     results = {}
     for name in args.teachers.split(","):
-        t = Teacher(name)
+        t = Teacher(name, reuse=args.reuse)
         best_half = None
         rows = [t.row("teacher (fp16)", t.pipe.unet, t.candidates.unet({**t.weights, **t.candidates.lora_delta}),
                       t.weights, None, None)]
         for method in quant.METHODS:
             m, ml, w = t.candidates.quantised(method)
-            rows.append(t.row({"fp8": "fp8 e4m3fn storage", "q8_0": "GGUF Q8_0", "q4_0": "GGUF Q4_0"}[method],
-                              m, ml, w, method, None))
+            rows.append(t.row(STORAGE[method], m, ml, w, method, None))
         print(f"\n## {name} teacher\n\n{HEADER}", flush=True)
         for r in rows:
             print(fmt_row(r), flush=True)
@@ -275,9 +288,9 @@ def main():
                         best = (aset, cpu, budget)
                         if budget == "init" and target == half:
                             best_half = aset
-            if best is not None:
-                m, ml, w = t.candidates.slim(best[0], "fp8")
-                r = t.row(f"slim {tag}, allocated, {best[2]} + fp8 storage", m, ml, w, "fp8", best[1])
+            for method in (args.stack.split(",") if best is not None and args.stack else ()):
+                m, ml, w = t.candidates.slim(best[0], method)
+                r = t.row(f"slim {tag}, allocated, {best[2]} + {STORAGE[method]}", m, ml, w, method, best[1])
                 rows.append(r)
                 print(fmt_row(r), flush=True)
         results[name] = {"rows": rows, "sd15_half": half}

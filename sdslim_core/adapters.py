@@ -262,8 +262,8 @@ def _has_values(t: torch.Tensor) -> bool:
 def _selection(score: torch.Tensor, r: int) -> torch.Tensor:
     """An r×n 0/1 matrix selecting the r highest scores, kept in their original order."""
     idx = torch.sort(torch.topk(score, r).indices).values
-    sel = torch.zeros(r, score.numel())
-    sel[torch.arange(r), idx] = 1.0
+    sel = torch.zeros(r, score.numel(), device=score.device)
+    sel[torch.arange(r, device=score.device), idx] = 1.0
     return sel
 
 

@@ -138,6 +138,9 @@ def config_from_state_dict(weights: Mapping, metadata: Mapping | None = None) ->
     res_count, depth = 0, 0
     for i in range(1, n_input):
         if f"input_blocks.{i}.0.op.weight" in shapes:                 # downsample closes a level
+            if res_count == 0:
+                raise LayoutError(f"input_blocks.{i} is a Downsample with no ResBlock before it: unknown UNet "
+                                  "structure")
             levels.append(res_out)
             level_res.append(res_count)
             level_depth.append(depth)

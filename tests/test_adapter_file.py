@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from conftest import tiny_config
 from sdslim_core import layout, rank_policy
-from sdslim_core.adapters import AdapterError, AdapterSet
+from sdslim_core.adapters import AdapterError, AdapterSet, _selection
 from sdslim_core.unet import build_diffusers_unet
 
 
@@ -114,3 +114,11 @@ def test_model_mismatch_is_named(aset):
     bigger["input_blocks.1.0.in_layers.2.weight"] = torch.empty(64, 32, 3, 3, device="meta")
     with pytest.raises(AdapterError, match="does not match the model's 64"):
         aset.check_model(bigger)
+
+
+def test_data_free_selection_stays_on_the_weights_device():
+    """The 0/1 selection is built where the scores live (CUDA weights must not get CPU selections)."""
+    score = torch.rand(8, device="meta")
+    assert _selection(score, 3).device == score.device
+    sel = _selection(torch.tensor([0.1, 5.0, 0.2, 3.0]), 2)
+    assert torch.equal(sel, torch.tensor([[0.0, 1, 0, 0], [0, 0, 0, 1]]))

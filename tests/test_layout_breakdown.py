@@ -122,3 +122,10 @@ def test_key_classification():
     assert breakdown.classify_key("input_blocks.3.0.op.weight") == ("downsample", False)
     assert breakdown.classify_key("output_blocks.2.1.conv.weight") == ("upsample", False)
     assert breakdown.classify_key("time_embed.0.weight") == ("other", False)
+
+
+def test_downsample_before_any_resblock_is_a_layout_error():
+    shapes = {"input_blocks.0.0.weight": (32, 4, 3, 3), "out.2.weight": (4, 32, 3, 3),
+              "input_blocks.1.0.op.weight": (32, 32, 3, 3)}
+    with pytest.raises(layout.LayoutError, match="input_blocks.1 is a Downsample"):
+        layout.config_from_state_dict(shapes)

@@ -221,18 +221,23 @@ def _lora_meta(loras, applied: str) -> list:
 
 def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1.0, device: str = "cpu",
                     progress: Callable[[int, int, str], None] | None = None,
-                    embed_adapters: bool = True) -> SlimResult:
+                    embed_adapters: bool = True, weight_dtype: torch.dtype | None = None) -> SlimResult:
     """Merge ``loras`` [(path, strength)] into ``ckpt``'s UNet, fold ``adapters`` and write ``out``.
 
     ``ckpt``: an LDM/ComfyUI/diffusers single file or a diffusers folder; ``adapters``: a path or
     :class:`AdapterSet`; ``select``: the fraction of sites to fold (lowest recorded error first);
     ``embed_adapters``: store the folded sites' adapter tensors in ``out`` under :data:`ADAPTER_PREFIX` (so LoRAs can
     be applied to it later without the adapter file); otherwise only the adapter file's sha256 is recorded.
-    An already-slim ``ckpt`` is passed to :func:`apply_loras_to_slim` (``adapters`` may then be None).
+    ``weight_dtype`` (e.g. ``torch.float8_e4m3fn``): store every UNet weight with two or more dimensions in it, each
+    rounded once from the float32 fold (biases, norms, the text encoder and VAE keep their dtypes); default: keep the
+    input's dtypes. An already-slim ``ckpt`` is passed to :func:`apply_loras_to_slim` (``adapters`` may then be None).
     Everything is validated before the first byte is written; the output appears atomically and never replaces the
     input.
     """
     if is_slim_checkpoint(ckpt):
+        if weight_dtype is not None:
+            raise SlimError(f"{ckpt}: already a slim checkpoint; a storage dtype is chosen when folding (LoRAs "
+                            "applied to it keep its dtypes)")
         if select != 1.0:
             raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1); --select applies to folding, "
                             "which needs the original checkpoint")
@@ -265,8 +270,12 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     for ckey, site in owner.items():
         remaining[site] += 1
     entries, embedded = [], {}                        # embedded: output key → (site, tensor name)
+    stored: dict[str, torch.dtype] = {}                # UNet file key → its dtype in ``out``
     for fkey, (dtype, shape) in src.source.entries.items():
         ckey = inverse.get(fkey)
+        if ckey is not None:
+            recast = weight_dtype is not None and dtype.is_floating_point and len(shape) >= 2
+            dtype = stored[fkey] = weight_dtype if recast else dtype
         entries.append((fkey, dtype, tuple(slim[ckey]) if ckey is not None else tuple(shape)))
         site = owner.get(ckey)
         if site is not None:
@@ -322,13 +331,13 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
                 tensors = {k: v.to(dev) for k, v in adapter_tensors(site).items()}
                 folded = fold.fold_site(site, aset.kind(site), merged_or_base, tensors)
                 for k, v in folded.items():
-                    pending[k] = v.to("cpu", src.source.entries[mapping[k]][0])
+                    pending[k] = v.to("cpu", stored[mapping[k]])
                 done_sites.add(site)
                 if progress:
                     progress(len(done_sites), len(aset.sites), site)
             return pending.pop(ckey)
         t = base(ckey)
-        return merger.merge(ckey, t, out_dtype=t.dtype) if ckey in touched else t
+        return (merger.merge(ckey, t, out_dtype=stored[fkey]) if ckey in touched else t).to(stored[fkey])
 
     write_safetensors_streaming(out, entries, produce, meta)
     before = sum(math.prod(s) for s in canon_shapes.values())

@@ -120,3 +120,36 @@ def test_breakdown_of_a_slim_file(files, capsys):
     tensors, _ = load_file(d / "slim.safetensors")
     assert slim_total == sum(v.numel() for k, v in tensors.items() if k.startswith("model.diffusion_model."))
     assert slim_total < json.loads(out)["total"]
+
+
+def test_weight_dtype_fp8_stores_the_float32_fold_rounded_once(files, capsys, tmp_path):
+    """`--weight-dtype fp8_e4m3fn` (slim stacked with fp8 storage): every UNet weight of 2+ dimensions is the
+    float32 slim weight rounded once to fp8; biases, norms and non-UNet tensors keep their dtypes; LoRAs can still
+    be applied to the fp8 slim checkpoint, which stays fp8."""
+    d = files
+    common = ["--ckpt", d / "sd15.safetensors", "--adapters", d / "adapters.safetensors",
+              "--lora", f"{d / 'kohya.safetensors'}:0.8"]
+    assert run(capsys, "slim", *common, "--out", tmp_path / "slim32.safetensors")[0] == 0
+    assert run(capsys, "slim", *common, "--out", tmp_path / "slim8.safetensors", "--weight-dtype", "fp8_e4m3fn")[0] == 0
+    ref, _ = load_file(tmp_path / "slim32.safetensors")
+    got, meta = load_file(tmp_path / "slim8.safetensors")
+    assert set(got) == set(ref) and meta["sdslim.slim"] == "1"
+    n_fp8 = 0
+    for k, v in got.items():
+        unet_weight = k.startswith("model.diffusion_model.") and ref[k].dim() >= 2
+        if unet_weight:
+            n_fp8 += 1
+            assert v.dtype == torch.float8_e4m3fn, k
+            assert torch.equal(v.float(), ref[k].to(torch.float8_e4m3fn).float()), k
+        else:
+            assert v.dtype == ref[k].dtype and torch.equal(v, ref[k]), k
+    assert n_fp8 > 50
+    rc, _, _ = run(capsys, "slim", "--ckpt", tmp_path / "slim8.safetensors", "--lora",
+                   f"{d / 'locon.safetensors'}:0.5", "--out", tmp_path / "slim8_lora.safetensors")
+    assert rc == 0
+    after, _ = load_file(tmp_path / "slim8_lora.safetensors")
+    assert all(after[k].dtype == got[k].dtype for k in got)
+    assert any(not torch.equal(after[k].float(), got[k].float()) for k in got)
+    rc, _, err = run(capsys, "slim", "--ckpt", tmp_path / "slim8.safetensors", "--weight-dtype", "fp16",
+                     "--out", tmp_path / "again.safetensors")
+    assert rc == 2 and "already a slim checkpoint" in err and not (tmp_path / "again.safetensors").exists()

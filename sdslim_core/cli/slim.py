@@ -7,6 +7,8 @@ import sys
 
 from ..lora import parse_lora_arg
 
+WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8_e4m3fn": "float8_e4m3fn"}
+
 
 def _progress(enabled: bool):
     if not enabled:
@@ -41,9 +43,11 @@ def summary_text(result, loras) -> str:
 def run(args) -> int:
     from ..slim import slim_checkpoint
     loras = [parse_lora_arg(x) for x in args.lora]
+    import torch
+    weight_dtype = getattr(torch, WEIGHT_DTYPES[args.weight_dtype]) if args.weight_dtype else None
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
                              progress=_progress(not args.json and sys.stderr.isatty()),
-                             embed_adapters=not args.no_embed_adapters)
+                             embed_adapters=not args.no_embed_adapters, weight_dtype=weight_dtype)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -72,6 +76,9 @@ def register(sub):
     p.add_argument("--no-embed-adapters", action="store_true",
                    help="do not store the adapter tensors in the slim checkpoint (smaller file; applying LoRAs to it "
                         "later then needs --adapters)")
+    p.add_argument("--weight-dtype", choices=sorted(WEIGHT_DTYPES),
+                   help="store the UNet's weights (2-D and larger) in this dtype, each rounded once from the fold; "
+                        "fp8_e4m3fn stacks fp8 storage on the slim UNet (default: keep the input's dtypes)")
     p.add_argument("--device", default="cpu", help="device for the fold arithmetic (e.g. cuda); default cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)

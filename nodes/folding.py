@@ -33,6 +33,7 @@ from . import monitor, patches
 PREFIX = layout.COMFY_PREFIX
 COMPILE_KEY, COMPILE_KWARGS = "torch.compile", "torch_compile_kwargs"   # comfy_api.torch_helpers' wrapper key
 _STORE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 log = logging.getLogger("sdslim")
 
 
@@ -79,15 +80,23 @@ def merged_getter(kp: dict, device: torch.device, used: set):
     return get
 
 
+def _keeps_dtype(dtype: torch.dtype, base) -> bool:
+    """Whether a folded layer keeps its weights' dtype: plain floats, and fp8 storage (slim stacked with fp8) unless
+    the model is scaled-fp8, whose per-layer scales the fold does not recompute."""
+    if dtype in _STORE_DTYPES:
+        return True
+    return dtype in _FP8_DTYPES and getattr(getattr(base, "model_config", None), "scaled_fp8", None) is None
+
+
 def _store_dtype(orig: torch.dtype, base) -> torch.dtype:
-    if orig in _STORE_DTYPES:
+    if _keeps_dtype(orig, base):
         return orig
     return getattr(base, "manual_cast_dtype", None) or torch.float16
 
 
 def _new_layer(old: torch.nn.Module, shape: tuple, dtype: torch.dtype, plain_dtype: bool,
                groups: int | None = None) -> torch.nn.Module:
-    """A layer like ``old`` (same comfy.ops class when its weights are plain) with a new weight shape, on meta;
+    """A layer like ``old`` (same comfy.ops class when it keeps its weights' dtype) with a new weight shape, on meta;
     ``groups`` sets a GroupNorm's group count."""
     try:
         new = resize_like(old, shape, ops=None if plain_dtype else comfy.ops.manual_cast, groups=groups,
@@ -102,7 +111,7 @@ def _new_layer(old: torch.nn.Module, shape: tuple, dtype: torch.dtype, plain_dty
 def replace_layers(skeleton: torch.nn.Module, weights: dict, slim_keys, groups: dict, plain) -> set:
     """Give ``skeleton`` (a UNet on meta) new layers, like the ones they replace, for the weights whose shape
     changed (``slim_keys``: canonical keys of ``weights``) and for the norm2 layers whose group count ``groups``
-    (path → groups) changes; ``plain(path)``: whether that layer's weights are plain floats (else manual-cast ops).
+    (path → groups) changes; ``plain(path)``: whether that layer keeps its weights' dtype (else manual-cast ops).
     Returns the replaced module paths."""
     rebuild = {k.rsplit(".", 1)[0] for k in slim_keys}
     rebuild |= {p for p, g in groups.items() if comfy.utils.get_attr(skeleton, p).num_groups != g}
@@ -256,7 +265,7 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     slim_keys = {k for k, t in folded.items() if tuple(t.shape) != shapes[k]}
     groups = {f"{s}.{layout.RES_LAYERS['ldm']['norm2']}": aset.groups(s) for s in sites if aset.kind(s) == "res"}
     rebuild = replace_layers(skeleton, folded, slim_keys, groups,
-                             lambda path: kp[PREFIX + path + ".weight"][0][0].dtype in _STORE_DTYPES)
+                             lambda path: _keeps_dtype(kp[PREFIX + path + ".weight"][0][0].dtype, base))
     state = {k: folded[k] if k in folded else kp[PREFIX + k][0][0].detach().to(model.offload_device) for k in shapes}
     skeleton.load_state_dict(state, strict=True, assign=True)
     new_base.sdslim_info = SlimInfo(family=family, adapters=aset.source, ranks=aset.ranks(), full_shapes=shapes,

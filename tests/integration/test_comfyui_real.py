@@ -207,6 +207,49 @@ def test_slim_matches_float64_reference_and_keeps_original(comfy, tiny, adapter_
     assert slim.model is not with_lora.model and slim.model.model_sampling is not with_lora.model.model_sampling
 
 
+def test_an_fp8_model_stays_fp8_after_slim_unet(comfy, tiny, adapter_dir):
+    """Slim stacked with fp8 storage in ComfyUI: a model whose weights are stored in fp8 (as with "weight_dtype
+    fp8_e4m3fn") keeps its folded layers in fp8, each the float64 fold of the fp8 weights rounded once, and runs
+    through ComfyUI's own cast ops."""
+    from sdslim_core.adapters import AdapterSet
+    _, weights = tiny
+    mc = comfy["supported_models"].SD15(dict(TINY_SD15))
+    mc.set_inference_dtype(torch.float8_e4m3fn, torch.float32)
+    base = mc.get_model({}, "", device="cpu")
+    stored = {k: v.to(torch.float8_e4m3fn) if v.ndim > 1 else v for k, v in weights.items()}
+    base.diffusion_model.load_state_dict(stored, assign=True)
+    fp8_model = comfy["model_patcher"].ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=fp8_model, adapters="half.safetensors", strength=1.0,
+                                                      enable=True).args
+    aset = AdapterSet.load(adapter_dir / "half.safetensors")
+    dequantised = {k: v.double() for k, v in stored.items()}
+    got = slim.model.diffusion_model.state_dict()
+    n_exact = n_total = 0
+    for site, kind in ((FF, "ff"), (RES, "res")):
+        for key, ref in fold64(dequantised, aset.sites[site], site, kind, {}).items():
+            if ref.dim() < 2:
+                continue
+            assert got[key].dtype == torch.float8_e4m3fn and got[key].shape == ref.shape, key
+            want = ref.to(torch.float8_e4m3fn).double()
+            torch.testing.assert_close(got[key].double(), want, rtol=0.13, atol=2 ** -9, msg=key)  # ≤ 1 fp8 step
+            n_exact += int((got[key].double() == want).sum())
+            n_total += want.numel()
+    assert n_exact / n_total > 0.99
+    # against the same fold of the same fp8 weights kept in float32: only the folded layers' rounding differs
+    mc32 = comfy["supported_models"].SD15(dict(TINY_SD15))
+    mc32.set_inference_dtype(torch.float32, None)
+    base32 = mc32.get_model({}, "", device="cpu")
+    base32.diffusion_model.load_state_dict({k: v.float() for k, v in stored.items()})
+    (slim32,) = _node(comfy, "SdslimSlimUNet").execute(
+        model=comfy["model_patcher"].ModelPatcher(base32, torch.device("cpu"), torch.device("cpu")),
+        adapters="half.safetensors", strength=1.0, enable=True).args
+    x, t, ctx = _inputs()
+    out, ref_out = _forward(slim, x, t, ctx), _forward(slim32, x, t, ctx)
+    rel = float((out - ref_out).norm() / ref_out.norm())
+    assert 0 < rel < 0.1, rel
+    assert slim.model_size() < 0.6 * slim32.model_size()
+
+
 def test_full_width_adapters_reproduce_the_lora_model_and_original_is_isolated(comfy, tiny, adapter_dir):
     patcher, weights = tiny
     lora = _kohya_lora(weights, [f"{FF}.net.0.proj", f"{RES}.in_layers.2", ATTN], seed=6)

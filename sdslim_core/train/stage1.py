@@ -9,9 +9,6 @@ stage 1 worse than it entered; the reported stage-1 error is that minimum (chose
 """
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +16,7 @@ from ..adapters import AdapterSet
 from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
 from .calibration import _gen
+from .fit import FitLoop
 from .sites import build_student, call_site, make_site_adapter
 
 
@@ -37,20 +35,6 @@ def batch_ids(n: int, bs: int, step: int, keys: tuple) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def lr_at(step: int, total: int, base: float, warmup: float = 0.05, floor: float = 0.1) -> float:
-    """Linear warm-up over ``warmup``·total steps, then cosine decay to ``floor``·base."""
-    w = max(1, int(total * warmup))
-    if step < w:
-        return base * (step + 1) / w
-    t = (step - w) / max(1, total - w)
-    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
-def eval_interval(steps: int, checks: int = 8) -> int:
-    """Held-out evaluations happen every this many steps (and at the end); the best adapter is kept."""
-    return max(1, -(-steps // checks))
-
-
 def done_path(run, index: int):
     return run.work_dir / "stage1" / f"site-{index:04d}.safetensors"
 
@@ -67,6 +51,39 @@ def read_done(run, index: int, site: str):
     return {k.split("/", 1)[1]: v for k, v in tensors.items()}, info
 
 
+def fit_site(run, loop: FitLoop, aset: AdapterSet, site: str, i: int, offset: int,
+             resume: tuple | None) -> tuple[dict, float]:
+    """Train site ``site`` (index ``i`` in the UNet); returns (best tensors, their held-out error)."""
+    tc = run.tc
+    kind = aset.kind(site)
+    teacher_site = run.placement.site_on_device(site)
+    data = run.site_data(site, teacher_site)
+    adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
+                                run.norm_eps(site)).to(run.device)
+    student = build_student(teacher_site, kind, run.naming, adapter)
+    opt = run.make_optimizer(list(adapter.parameters()), tc.lr1)
+    bs = tc.ff_batch_tokens if kind == "ff" else tc.res_batch
+
+    def step(s):
+        ids = batch_ids(data.n_fit(), bs, s, (tc.seed, 61, i))
+        x, emb, y = data.fit_batch(ids, run.device, run.compute_dtype)
+        with run.amp():
+            out = call_site(student, kind, x, emb)
+        loss = F.mse_loss(out.float(), y) / data.fit_scale
+        loss.backward()
+        return {"stage": 1, "site": site, "loss": float(loss.detach())}
+
+    def state(n):
+        return {"stage": 1, "site": site, "site_step": n, "cursor": {"site": site, "step": n}}
+
+    def evaluate():
+        return data.eval_error(student, run.device, run.compute_dtype, run.amp)
+
+    best, err, _ = loop.fit(dict(adapter.named_parameters()), opt, tc.stage1_steps, step, evaluate, state,
+                            offset=offset, resume=resume)
+    return best, err
+
+
 def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
     """Train this process's share of the sites; returns ({site: tensors}, {site: eval error}) for *all* sites
     (other processes' results are read from the work dir after a barrier)."""
@@ -76,15 +93,11 @@ def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
     owned = [s for s in names if run.topo.owns(index[s])]
     tensors_out, errors_out = {}, {}
     prefix = f"s1-r{run.topo.rank}" if run.topo.distributed else "s1"
-    resume_state = None
-    if run.resume:
-        got = checkpoint.latest(run.ckpt_dir, prefix)
-        if got is not None:
-            resume_state = got
+    resume_state = checkpoint.latest(run.ckpt_dir, prefix) if run.resume else None
     total_steps = tc.stage1_steps * len(owned)
     run.progress.start_stage("stage 1", total_steps, unit="step")
+    loop = FitLoop(tc.lr1, tc.grad_clip, run.ckpt_dir, prefix, tc.checkpoint_every, tc.keep_checkpoints, run.progress)
     global_step = 0
-    elapsed, timed = 0.0, 0
     for site in owned:
         i = index[site]
         done = read_done(run, i, site)
@@ -93,68 +106,18 @@ def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
             global_step += tc.stage1_steps
             run.progress.skip(global_step)
             continue
-        kind = aset.kind(site)
-        teacher_site = run.placement.site_on_device(site)
-        data = run.site_data(site, teacher_site)
-        adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
-                                    run.norm_eps(site)).to(run.device)
-        student = build_student(teacher_site, kind, run.naming, adapter)
-        params = list(adapter.parameters())
-        opt = run.make_optimizer(params, tc.lr1)
-        start = 0
-        every = eval_interval(tc.stage1_steps)
+        resume = None
         if resume_state is not None and resume_state[1].get("site") == site:
-            t, meta, _ = resume_state
-            best = checkpoint.restore(dict(adapter.named_parameters()), opt, t, meta)
-            start = int(meta["site_step"])
-            best_err = float(meta["best_error"])
-        else:
-            best_err = data.eval_error(student, run.device, run.compute_dtype, run.amp)
-            best = adapter.tensors()
-        bs = tc.ff_batch_tokens if kind == "ff" else tc.res_batch
-        global_step += start
-        run.progress.skip(global_step)
-        for step in range(start, tc.stage1_steps):
-            t0 = time.perf_counter()
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, tc.stage1_steps, tc.lr1)
-            ids = batch_ids(data.n_fit(), bs, step, (tc.seed, 61, i))
-            x, emb, y = data.fit_batch(ids, run.device, run.compute_dtype)
-            with run.amp():
-                out = call_site(student, kind, x, emb)
-            loss = F.mse_loss(out.float(), y) / data.fit_scale
-            loss.backward()
-            if tc.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            elapsed += time.perf_counter() - t0
-            timed += 1
-            global_step += 1
-            if (step + 1) % every == 0 or step + 1 == tc.stage1_steps:
-                err = data.eval_error(student, run.device, run.compute_dtype, run.amp)
-                if err < best_err:
-                    best_err, best = err, adapter.tensors()
-            if global_step % tc.checkpoint_every == 0 and step + 1 < tc.stage1_steps:
-                opt_t, opt_meta = checkpoint.optimizer_tensors(opt)
-                state_t = {f"adapter/{n}": p for n, p in adapter.named_parameters()}
-                state_t.update({f"best/{k}": v for k, v in best.items()})
-                state_t.update(opt_t)
-                checkpoint.save(run.ckpt_dir, prefix, global_step, state_t,
-                                {"stage": 1, "site": site, "site_step": step + 1, "optimizer": opt_meta,
-                                 "best_error": best_err, "cursor": {"site": site, "step": step + 1}},
-                                keep=tc.keep_checkpoints)
-            run.progress.step(global_step, {"stage": 1, "site": site, "loss": float(loss.detach())})
-        err = best_err
-        tensors_out[site] = best
+            resume = (resume_state[0], resume_state[1], int(resume_state[1]["site_step"]))
+        tensors_out[site], err = fit_site(run, loop, aset, site, i, global_step, resume)
+        global_step += tc.stage1_steps
         errors_out[site] = err
         save_file_atomic({f"{site}/{k}": v for k, v in tensors_out[site].items()}, done_path(run, i),
                          {"sdslim.stage1": {"site": site, "error": err, "error_init": errors_init.get(site)}})
         run.say(f"stage 1 {site}: error {errors_init.get(site, float('nan')):.4f} → {err:.4f}")
-        del data, student, adapter, opt, teacher_site
         run.free_device_memory()
     run.progress.end_stage()
-    run.timing["stage1_s_per_step"] = elapsed / timed if timed else None
+    run.timing["stage1_s_per_step"] = loop.s_per_step
     run.topo.barrier()
     for site in names:
         if site not in tensors_out:

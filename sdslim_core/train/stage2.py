@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 
 import torch
 
@@ -27,8 +26,9 @@ from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
 from .augment import Augmenter
 from .calibration import InputBank, _gen, unet_call
+from .fit import FitLoop
 from .sites import FeatureRecorder, gated_tree, set_gates
-from .stage1 import batch_ids, eval_interval, lr_at
+from .stage1 import batch_ids
 
 
 def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -157,6 +157,90 @@ def group_path(run, g: int):
     return run.work_dir / "stage2" / f"group-{g:03d}.safetensors"
 
 
+def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: list, g: int, offset: int, total: int,
+              got: tuple | None) -> tuple[dict, float, float]:
+    """Train group ``g`` of ``groups`` (``aset``: the current tensors of all sites) for stage steps
+    [``offset``, ``offset + total``); returns ({site: best tensors} of the group, their error, the error before)."""
+    tc = run.tc
+    group = groups[g]
+    done_sites = [s for gg in groups[:g] for s in gg]
+    tree, adapters, gates = build(run, aset, group, done_sites)
+    params = [p for s in group for p in adapters[s].parameters()]
+    named = {f"{s}/{n}": p for s in group for n, p in adapters[s].named_parameters()}
+    if run.grad_ckpt and hasattr(tree, "enable_gradient_checkpointing"):
+        tree.enable_gradient_checkpointing()
+    feature = None
+    if tc.feature_loss:
+        feature = FeatureRecorder()
+        for site in group:
+            gates[site].feature = feature
+    opt = run.make_optimizer(params, tc.lr2)
+    resume = None
+    if got is not None and got[1].get("phase", 0) == g:
+        resume = (got[0], got[1], int(got[1]["step"]) - offset)
+    fit = bank.fit_ids()
+    pairs = bank.cfg_pairs(fit) if tc.guided_loss and tc.guidance != 1.0 else torch.empty(0, 2)
+    aug = None
+    if len(groups) == 1 and (tc.control_prob or tc.lora_prob):     # the gates-off tree must be the teacher
+        aug = Augmenter(run.placement.on_device(), bank, group, run.cfg, tc.seed, tc.control_prob, tc.lora_prob,
+                        tc.lora_scale, device=run.device, dtype=run.compute_dtype, amp=run.amp)
+    world, rank = run.topo.world, run.topo.rank
+    gbs = tc.stage2_batch * world
+
+    def step(i):
+        gstep = offset + i
+        p = p_replace(i, total, tc.p0, tc.p_full_at)
+        u = torch.rand(len(group), generator=_gen(tc.seed, 71, gstep))
+        decisions = {s: bool(u[j] < p) for j, s in enumerate(group)}
+        if len(pairs):
+            chosen = pairs[batch_ids(len(pairs), gbs, gstep, (tc.seed, 72))]
+            chosen = chosen[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else chosen
+            mine = torch.cat([chosen[:, 0], chosen[:, 1]])
+        else:
+            rows = fit[batch_ids(fit.numel(), gbs, gstep, (tc.seed, 72))]
+            mine = rows[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else rows
+        inputs = bank.batch(mine, run.device, run.compute_dtype)
+        control, perturb = aug.draw(gstep) if aug is not None else (False, False)
+        with aug.weight_deltas(gstep) if perturb else contextlib.nullcontext():
+            if control:
+                inputs.update(aug.residuals(gstep, mine.numel(), run.device, run.compute_dtype))
+            if control or perturb:
+                set_gates(gates, False)
+                with torch.no_grad(), run.amp():
+                    target = unet_call(tree, inputs).float()
+            else:
+                target = bank.eps[mine].to(run.device)
+            set_gates(gates, decisions)
+            if feature is not None:
+                feature.start()
+            with run.amp():
+                out = unet_call(tree, inputs)
+            loss = normalised_mse(out.float(), target)
+            if len(pairs):
+                loss = loss + tc.guided_loss * normalised_mse(guided(out.float(), tc.guidance),
+                                                              guided(target, tc.guidance))
+            if feature is not None:
+                feature.stop()
+                losses = feature.losses()
+                if losses:
+                    loss = loss + tc.feature_loss * torch.stack(losses).mean()
+                feature.pairs = []
+            loss.backward()
+        run.topo.all_reduce_mean_([q.grad for q in params if q.grad is not None])
+        return {"stage": 2, "loss": float(loss.detach()), "p": round(p, 3)}
+
+    def state(done):
+        gdone = offset + done
+        return {"stage": 2, "phase": g, "step": gdone,
+                "cursor": {"phase": g, "step": gdone, "p": p_replace(done - 1, total, tc.p0, tc.p_full_at)}}
+
+    def evaluate():
+        return unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
+
+    best, err, before = loop.fit(named, opt, total, step, evaluate, state, offset=offset, resume=resume)
+    return {s: {n: best[f"{s}/{n}"].clone() for n in adapters[s].tensors()} for s in group}, err, before
+
+
 def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, float]:
     """Returns ({site: tensors}, UNet error before, UNet error after) (errors on the eval split).
 
@@ -176,7 +260,8 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
     before_all = None
     after = None
     run.progress.start_stage("stage 2", tc.stage2_steps, unit="step")
-    elapsed, timed = 0.0, 0
+    loop = FitLoop(tc.lr2, tc.grad_clip, run.ckpt_dir, "s2", tc.checkpoint_every, tc.keep_checkpoints, run.progress,
+                   shown=run.stage1_total, save=run.topo.main, save_last=True)
     for g, group in enumerate(groups):
         path = group_path(run, g)
         if run.resume and path.exists():
@@ -189,116 +274,18 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
             after = info["best_error"]
             run.progress.skip(offsets[g] + steps[g])
             continue
-        done_sites = [s for gg in groups[:g] for s in gg]
-        tree, adapters, gates = build(run, AdapterSet(aset.family, current, aset.norm_groups), group, done_sites)
-        params = [p for s in group for p in adapters[s].parameters()]
-        named = {f"{s}/{n}": p for s in group for n, p in adapters[s].named_parameters()}
-        if run.grad_ckpt and hasattr(tree, "enable_gradient_checkpointing"):
-            tree.enable_gradient_checkpointing()
-        feature = None
-        if tc.feature_loss:
-            feature = FeatureRecorder()
-            for site in group:
-                gates[site].feature = feature
-        opt = run.make_optimizer(params, tc.lr2)
-        total, start, before = steps[g], 0, None
-        if got is not None and got[1].get("phase", 0) == g:
-            t, meta, _ = got
-            best = checkpoint.restore(named, opt, t, meta)
-            start = int(meta["step"]) - offsets[g]
-            before = meta.get("error_before")
-            best_err = float(meta["best_error"])
-        if before is None:
-            before = unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
-            best_err, best = before, {k: v.detach().float().cpu().clone() for k, v in named.items()}
+        tensors, best_err, before = fit_group(run, loop, AdapterSet(aset.family, current, aset.norm_groups), bank,
+                                              groups, g, offsets[g], steps[g], got)
+        current.update(tensors)
         before_all = before if before_all is None else before_all
-        every = eval_interval(total)
-        fit = bank.fit_ids()
-        pairs = bank.cfg_pairs(fit) if tc.guided_loss and tc.guidance != 1.0 else torch.empty(0, 2)
-        aug = None
-        if len(groups) == 1 and (tc.control_prob or tc.lora_prob):     # the gates-off tree must be the teacher
-            aug = Augmenter(run.placement.on_device(), bank, group, run.cfg, tc.seed, tc.control_prob, tc.lora_prob,
-                            tc.lora_scale, device=run.device, dtype=run.compute_dtype, amp=run.amp)
-        world, rank = run.topo.world, run.topo.rank
-        gbs = tc.stage2_batch * world
-        run.progress.skip(offsets[g] + start)
-        for step in range(start, total):
-            t0 = time.perf_counter()
-            gstep = offsets[g] + step
-            p = p_replace(step, total, tc.p0, tc.p_full_at)
-            u = torch.rand(len(group), generator=_gen(tc.seed, 71, gstep))
-            decisions = {s: bool(u[j] < p) for j, s in enumerate(group)}
-            for pg in opt.param_groups:
-                pg["lr"] = lr_at(step, total, tc.lr2)
-            if len(pairs):
-                chosen = pairs[batch_ids(len(pairs), gbs, gstep, (tc.seed, 72))]
-                chosen = chosen[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else chosen
-                mine = torch.cat([chosen[:, 0], chosen[:, 1]])
-            else:
-                rows = fit[batch_ids(fit.numel(), gbs, gstep, (tc.seed, 72))]
-                mine = rows[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else rows
-            inputs = bank.batch(mine, run.device, run.compute_dtype)
-            control, perturb = aug.draw(gstep) if aug is not None else (False, False)
-            with aug.weight_deltas(gstep) if perturb else contextlib.nullcontext():
-                if control:
-                    inputs.update(aug.residuals(gstep, mine.numel(), run.device, run.compute_dtype))
-                if control or perturb:
-                    set_gates(gates, False)
-                    with torch.no_grad(), run.amp():
-                        target = unet_call(tree, inputs).float()
-                else:
-                    target = bank.eps[mine].to(run.device)
-                set_gates(gates, decisions)
-                if feature is not None:
-                    feature.start()
-                with run.amp():
-                    out = unet_call(tree, inputs)
-                loss = normalised_mse(out.float(), target)
-                if len(pairs):
-                    loss = loss + tc.guided_loss * normalised_mse(guided(out.float(), tc.guidance),
-                                                                  guided(target, tc.guidance))
-                if feature is not None:
-                    feature.stop()
-                    losses = feature.losses()
-                    if losses:
-                        loss = loss + tc.feature_loss * torch.stack(losses).mean()
-                    feature.pairs = []
-                loss.backward()
-            grads = [q.grad for q in params if q.grad is not None]
-            run.topo.all_reduce_mean_(grads)
-            if tc.grad_clip:
-                torch.nn.utils.clip_grad_norm_([q for q in params if q.grad is not None], tc.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            elapsed += time.perf_counter() - t0
-            timed += 1
-            done = step + 1
-            if done % every == 0 or done == total:
-                err = unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
-                if err < best_err:
-                    best_err, best = err, {k: v.detach().float().cpu().clone() for k, v in named.items()}
-            gdone = offsets[g] + done
-            if run.topo.main and (gdone % tc.checkpoint_every == 0 or done == total):
-                opt_t, opt_meta = checkpoint.optimizer_tensors(opt)
-                state_t = {f"adapter/{k}": v for k, v in named.items()}
-                state_t.update({f"best/{k}": v for k, v in best.items()})
-                state_t.update(opt_t)
-                checkpoint.save(run.ckpt_dir, "s2", gdone, state_t,
-                                {"stage": 2, "phase": g, "step": gdone, "optimizer": opt_meta,
-                                 "error_before": before, "best_error": best_err,
-                                 "cursor": {"phase": g, "step": gdone, "p": p}}, keep=tc.keep_checkpoints)
-            run.progress.step(run.stage1_total + gdone, {"stage": 2, "loss": float(loss.detach()), "p": round(p, 3)})
-        for site in group:
-            current[site] = {n: best[f"{site}/{n}"].clone() for n in adapters[site].tensors()}
         if run.topo.main:
             save_file_atomic({f"{s}/{n}": v for s in group for n, v in current[s].items()}, path,
                              {"sdslim.stage2": {"group": g, "sites": group, "error_before": before,
                                                 "best_error": best_err}})
         run.topo.barrier()
         after = best_err
-        del tree, gates, adapters, opt
         run.free_device_memory()
     run.progress.end_stage()
-    run.timing["stage2_s_per_step"] = elapsed / timed if timed else None
+    run.timing["stage2_s_per_step"] = loop.s_per_step
     run.timing["stage2_groups"] = len(groups)
     return current, before_all, after

@@ -193,3 +193,13 @@ def test_stage2_in_groups_resumes_bit_for_bit(tmp_path):
     for site, t in ref.adapters.sites.items():
         for name, v in t.items():
             assert torch.equal(result.adapters.sites[site][name], v), (site, name)
+
+
+def test_stage2_step_with_every_site_teacher_still_trains_one(tmp_path):
+    """Replacement probability 0 at the start of stage 2 (p0=0), in small site groups: a step where no site is
+    replaced would have nothing to train; one site is replaced instead, and the run completes."""
+    small = dict(FAST, n_trajectories=10, latent_size=8, ff_inputs=40, res_maps=40, stage1_steps=0, stage2_steps=6,
+                 stage2_groups=3, p0=0.0)
+    result = train_adapters(_teacher(), tiny_config(), _calib(), TrainConfig(**small), tmp_path / "adapters.safetensors")
+    assert result.report.steps["stage2"] == 6
+    assert all(torch.isfinite(v).all() for t in result.adapters.sites.values() for v in t.values())

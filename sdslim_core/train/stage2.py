@@ -192,6 +192,8 @@ def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: lis
         p = p_replace(i, total, tc.p0, tc.p_full_at)
         u = torch.rand(len(group), generator=_gen(tc.seed, 71, gstep))
         decisions = {s: bool(u[j] < p) for j, s in enumerate(group)}
+        if not any(decisions.values()):        # an all-teacher step trains nothing: replace the likeliest site
+            decisions[group[int(u.argmin())]] = True
         if len(pairs):
             chosen = pairs[batch_ids(len(pairs), gbs, gstep, (tc.seed, 72))]
             chosen = chosen[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else chosen

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from sdslim_core.safetensors_io import file_sha256  # noqa: E402
+from sdslim_core.files import sha256_file  # noqa: E402
 
 ASSETS = ROOT / "sdslim_core" / "tiny" / "assets"
 MANIFEST = ASSETS / "manifest.json"
@@ -122,7 +122,7 @@ def image_grid(images: torch.Tensor, row_labels: list, col_labels: list, path: P
 def record_asset(path: Path, entry: dict):
     """Add/replace ``path``'s entry (with size and sha256) in manifest.json, then rewrite README.md from it."""
     manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
-    manifest[path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path), **entry}
+    manifest[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path), **entry}
     MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=2) + "\n")
     (ASSETS / "README.md").write_text(_readme(manifest))
 

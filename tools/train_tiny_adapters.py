@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from tiny_common import ROOT, record_asset
+from tiny_common import ROOT, command_line, record_asset
 
 from sdslim_core import tiny
 from sdslim_core.adapters import AdapterSet
@@ -36,8 +36,7 @@ def main():
     out.with_name(out.stem + ".errors.png").unlink(missing_ok=True)     # the report plot and the work dir are not
     shutil.rmtree(out.with_name(out.name + ".work"), ignore_errors=True)  # assets
     record_asset(out, {"what": WHAT.format(ratio=args.ratio),
-                       "command": f"OMP_NUM_THREADS={args.threads} python tools/train_tiny_adapters.py --ratio "
-                                  f"{args.ratio} --steps {args.steps} --seed {args.seed}",
+                       "command": command_line("train_tiny_adapters.py", args),
                        "train_seconds": round(seconds), "threads": args.threads,
                        "final_loss": {"unet_eps_relative_error": {k: round(v, 4) for k, v in err.items()}},
                        "loss_curve": "(per-site errors in the file's sdslim.train metadata)"})

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import json
 import os
+import pkgutil
 import sys
 
 NAMES = (
@@ -62,19 +63,6 @@ JSON_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
                          "comfy_api_signatures.json")
 
 
-def resolve(name: str):
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(name)
-
-
 def describe(obj):
     """Comparable description: parameters of a callable, bases of a class, the type of a value."""
     if inspect.isclass(obj):
@@ -88,13 +76,13 @@ def describe(obj):
 
 
 def record() -> dict:
-    return {name: describe(resolve(name)) for name in NAMES}
+    return {name: describe(pkgutil.resolve_name(name)) for name in NAMES}
 
 
 def record_fields() -> list:
     """Which of :data:`FIELDS` a fresh ModelPatcher has."""
     import torch
-    patcher = resolve("comfy.model_patcher.ModelPatcher")(torch.nn.Linear(1, 1), torch.device("cpu"),
+    patcher = pkgutil.resolve_name("comfy.model_patcher.ModelPatcher")(torch.nn.Linear(1, 1), torch.device("cpu"),
                                                           torch.device("cpu"))
     return sorted(set(FIELDS) & set(vars(patcher)))
 

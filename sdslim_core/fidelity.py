@@ -209,7 +209,8 @@ class Candidates:
     - slim: the LoRA is merged into the full weights, then folded (:mod:`sdslim_core.lora`, :mod:`fold`);
     - ``fp8`` storage: merged, then stored in fp8 (ComfyUI re-casts patched weights to the storage dtype);
     - GGUF ``q8_0``/``q4_0``: the LoRA delta is added to the dequantised weights at run time (ComfyUI-GGUF);
-    - slim + ``fp8``: merged, folded, then stored in fp8.
+    - slim + a storage format: the slim weights (merged and folded for the LoRA) stored as that format stores
+      them (for GGUF: the slim-space LoRA delta on the dequantised slim weights).
 
     ``weights`` are the teacher's canonical float weights; ``lora_delta`` the canonical keys a LoRA changes (with
     their merged values), e.g. from :func:`sdslim_core.lora.merge_loras`.
@@ -225,28 +226,31 @@ class Candidates:
     def _with_lora(self) -> dict:
         return {**self.weights, **self.lora_delta}
 
+    @staticmethod
+    def _stored(base: dict, with_lora: dict | None, method: str | None) -> tuple[dict, dict | None]:
+        """``base`` and ``with_lora`` (the same keys, the LoRA merged) as ``method`` stores and runs them."""
+        stored = quant.round_trip(base, method) if method else base
+        if with_lora is None or method is None:
+            return stored, with_lora
+        if method == "fp8":
+            return stored, quant.round_trip(with_lora, method)
+        return stored, {k: v + (with_lora[k] - base[k]) if with_lora[k] is not base[k] else v
+                        for k, v in stored.items()}
+
     def quantised(self, method: str) -> tuple[nn.Module, nn.Module | None, dict]:
         """(model, model + LoRA or None, its canonical weights) for a weight-storage ``method``."""
-        stored = quant.round_trip(self.weights, method)
-        lora = None
-        if self.lora_delta:
-            if method == "fp8":
-                lora = self.unet(quant.round_trip(self._with_lora(), method))
-            else:
-                lora = self.unet({k: stored[k] + (self.lora_delta[k] - self.weights[k]) if k in self.lora_delta
-                                   else v for k, v in stored.items()})
-        return self.unet(stored), lora, stored
+        stored, lora = self._stored(self.weights, self._with_lora() if self.lora_delta else None, method)
+        return self.unet(stored), self.unet(lora) if lora is not None else None, stored
 
     def slim(self, aset, method: str | None = None) -> tuple[nn.Module, nn.Module | None, dict]:
         """(slim model, slim model + LoRA or None, its canonical weights), optionally stored with ``method``."""
         groups = {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"}
 
-        def build(weights):
-            full = {**weights, **fold.fold_state_dict(weights, aset)}
-            return quant.round_trip(full, method) if method else full
-        slim_w = build(self.weights)
-        lora = self.unet(build(self._with_lora()), groups) if self.lora_delta else None
-        return self.unet(slim_w, groups), lora, slim_w
+        def folded(weights):
+            return {**weights, **fold.fold_state_dict(weights, aset)}
+        stored, lora = self._stored(folded(self.weights), folded(self._with_lora()) if self.lora_delta else None,
+                                    method)
+        return self.unet(stored, groups), self.unet(lora, groups) if lora is not None else None, stored
 
 
 def forward_flops(fn, *args, **kwargs) -> int:

@@ -293,3 +293,28 @@ def test_fidelity_engine_scores_identity_perfectly_and_sees_a_lora():
     assert 0 < r["eps_rel_error"] < 0.5 and 10 < r["image_psnr_db"] < 60 and r["lora_effect_cosine"] > 0.8
     assert quant.storage_bytes(w4, "q4_0") < 0.35 * quant.storage_bytes(weights)     # fp32 norms and biases stay
     assert fidelity.forward_flops(pipe.unet, probe.noise[:1], torch.tensor([10.0]), probe.context[:1]) > 0
+
+
+@pytest.mark.parametrize("method", ["fp8", "q4_0"])
+def test_slim_stacked_with_a_format_applies_the_lora_as_that_format_does(method):
+    """fp8: the merged, folded weights stored in fp8; GGUF: the slim-space LoRA delta (full precision) on the
+    dequantised slim weights — the semantics the format alone gets, so the stacks compare fairly."""
+    from sdslim_core import lora
+    pipe = tiny.load_tiny_pipeline()
+    weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
+    merged, _ = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], pipe.checkpoint.config)
+    aset = adapters.AdapterSet.load(tiny.ASSETS / "tiny_sd15_slim_half.safetensors")
+    _, model_lora, stored = fidelity.Candidates(pipe.unet, pipe.checkpoint.config, weights, merged).slim(aset, method)
+    base = {**weights, **fold.fold_state_dict(weights, aset)}
+    with_lora = {**weights, **merged}
+    with_lora.update(fold.fold_state_dict(with_lora, aset))
+    if method == "fp8":
+        want = quant.round_trip(with_lora, "fp8")
+    else:
+        want = {k: quant.q4_0(v) + (with_lora[k] - v) for k, v in base.items()}
+    got = layout.to_canonical(model_lora.state_dict())[0]
+    changed = [k for k in base if not torch.equal(with_lora[k], base[k])]
+    assert changed
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7, msg=k)
+    assert all(torch.equal(stored[k], quant.round_trip({k: v}, method)[k]) for k, v in base.items())

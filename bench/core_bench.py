@@ -14,9 +14,13 @@ import time
 
 import torch
 
-from sdslim_core import adapters, breakdown, fold, layout, rank_policy, swap
+from sdslim_core import layout
 from sdslim_core.cli.breakdown import canonical_shapes_for_arch
-from sdslim_core.unet import build_diffusers_unet
+from sdslim_core.io import adapters
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules import swap
+from sdslim_core.modules.unet import build_diffusers_unet
+from sdslim_core.ops import breakdown, fold
 
 RATIOS = (0.75, 0.5, 0.25)
 
@@ -24,7 +28,7 @@ RATIOS = (0.75, 0.5, 0.25)
 def meta_flops_ratio(arch: str, ratio: float) -> float:
     """Forward FLOPs of the uniform-``ratio`` slim UNet over the original's (real layout on the meta device; SD1.5
     at a 64×64 latent, SDXL at 128×128, 77 context tokens; matmuls and convolutions as torch counts them)."""
-    from sdslim_core import fidelity
+    from sdslim_core.apps import fidelity
     cfg = layout.config_for_arch(arch)
     unet = build_diffusers_unet(cfg, device="meta").eval()
     weights = layout.to_canonical(unet.state_dict())[0]
@@ -33,7 +37,7 @@ def meta_flops_ratio(arch: str, ratio: float) -> float:
         x, t, ctx = torch.empty(1, 4, side, side), torch.tensor([500.0]), torch.empty(1, 77, cfg.context_dim)
         kw = {"added_cond_kwargs": {"text_embeds": torch.empty(1, cfg.adm_in_channels - 6 * 256),
                                     "time_ids": torch.empty(1, 6)}} if cfg.adm_in_channels else {}
-        aset = adapters.AdapterSet.shaped_like(cfg, ratio)
+        aset = adapters.AdapterSet.shaped_like({k: tuple(v.shape) for k, v in weights.items()}, cfg.family, ratio)
     slim = swap.slim_module(unet, aset, weights)
     return (fidelity.forward_flops(slim, x, t, encoder_hidden_states=ctx, **kw) /
             fidelity.forward_flops(unet, x, t, encoder_hidden_states=ctx, **kw))

@@ -30,10 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from sdslim_core import adapters, fidelity, layout, lora, quant, rank_policy, tiny  # noqa: E402
+from sdslim_core.io import adapters
+from sdslim_core.apps import fidelity
+from sdslim_core import layout, tiny
+from sdslim_core.ops import lora, quant
+from sdslim_core.layout import rank_policy
 from sdslim_core.tiny import data as tiny_data  # noqa: E402
-from sdslim_core.demo import FULL, PROMPTS_SEED  # noqa: E402
-from sdslim_core.sampling import diffusers_fn  # noqa: E402
+from sdslim_core.apps.demo import FULL, PROMPTS_SEED
+from sdslim_core.ops.sampling import diffusers_fn
 from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402
 from sdslim_core.train import ranks as ranks_mod  # noqa: E402
 
@@ -44,7 +48,7 @@ BUDGETS = {"init": dict(FULL, stage1_steps=0, stage2_steps=0),
 
 def sd15_half() -> float:
     """SD1.5's slim/original parameter ratio at uniform width ½ (real layout, counted on shapes)."""
-    from sdslim_core.unet import canonical_shapes
+    from sdslim_core.modules.unet import canonical_shapes
     shapes = canonical_shapes(layout.config_for_arch("sd15"))
     ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), 0.5)
     return ranks_mod.slim_param_count(shapes, ranks) / ranks_mod.slim_param_count(shapes, {})
@@ -156,7 +160,7 @@ def sequential_refit(run, aset: adapters.AdapterSet, passes: int = 2, n_inputs: 
     """Sequential calibration, measured: refit every site's U (and FF intercept) by least squares from the
     bottleneck activations the *slimmed* UNet produces (its upstream sites already slim) to the teacher's hidden
     activations on the same inputs; returns the whole-UNet held-out error before and after each pass."""
-    from sdslim_core import swap
+    from sdslim_core.modules import swap
     from sdslim_core.train import stage2
     from sdslim_core.train.calibration import unet_call
     fit = run.bank.fit_ids()[:n_inputs]

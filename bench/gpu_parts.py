@@ -35,8 +35,8 @@ import slim_speed
 from core_bench import cpu_timer, interleaved_times
 from gpu_report import write_json
 from sdslim_core import layout
+from sdslim_core.modules.unet import build_diffusers_unet, canonical_shapes
 from sdslim_core.train import Calibration, TrainConfig, train_adapters
-from sdslim_core.unet import build_diffusers_unet, canonical_shapes
 from sdslim_core.vram import harness
 from sdslim_core.vram.estimate import run_worker
 from sdslim_core.vram.live import measure_peak, memory_report

@@ -52,7 +52,7 @@ out = sys.argv[1]; mode = sys.argv[2]; sys.argv = sys.argv[2:]
 code = 0
 try:
     if mode == "import":
-        import torch, sdslim_core.slim, sdslim_core.cli, sdslim_core.lora  # noqa
+        import torch, sdslim_core.apps.slim, sdslim_core.cli, sdslim_core.ops.lora  # noqa
     elif mode == "script":
         runpy.run_path(sys.argv[1], run_name="__script__")
     else:
@@ -69,9 +69,9 @@ NAIVE = """
 import sys
 sys.path.insert(0, {root!r})
 from sdslim_core import fold, layout
-from sdslim_core.adapters import AdapterSet
-from sdslim_core.lora import merge_loras
-from sdslim_core.safetensors_io import load_file, save_file_atomic
+from sdslim_core.io.adapters import AdapterSet
+from sdslim_core.ops.lora import merge_loras
+from sdslim_core.io.tensors import load_file, save_file_atomic
 tensors, meta = load_file({ckpt!r})
 canon, naming, prefix = layout.to_canonical(tensors)
 cfg = layout.config_from_state_dict(canon)
@@ -94,9 +94,9 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 import torch
 from sdslim_core import lora, slim
-from sdslim_core.adapters import AdapterSet
-from sdslim_core.lora_slim import SlimSpace
-from sdslim_core.safetensors_io import load_file
+from sdslim_core.io.adapters import AdapterSet
+from sdslim_core.ops.lora_slim import SlimSpace
+from sdslim_core.io.tensors import load_file
 t0 = time.perf_counter()
 tensors, meta = load_file({slim_path!r})
 view = slim.open_slim({slim_path!r})
@@ -126,7 +126,7 @@ print(json.dumps(out))
 COMPARE = """
 import json, sys
 sys.path.insert(0, {root!r})
-from sdslim_core.safetensors_io import LazyStateDict
+from sdslim_core.io.tensors import LazyStateDict
 a, b = LazyStateDict({a!r}), LazyStateDict({b!r})
 worst, name, ulps = 0.0, None, 0.0
 for k in a:
@@ -160,8 +160,8 @@ def generate_checkpoint(path: Path, shapes: dict, seed: int = 0, cfg=None):
     tensor by tensor (never the whole model in memory)."""
     import torch
     from sdslim_core import layout
-    from sdslim_core.slim import write_safetensors_streaming
-    from sdslim_core.unet import UNET_CONFIG_KEY
+    from sdslim_core.apps.slim import write_safetensors_streaming
+    from sdslim_core.modules.unet import UNET_CONFIG_KEY
     g = torch.Generator().manual_seed(seed)
     entries = [(PREFIX + k, torch.float16, tuple(s)) for k, s in shapes.items()]
     entries += [(k, torch.float16, s) for k, s in EXTRA.items()]
@@ -179,7 +179,9 @@ def generate_checkpoint(path: Path, shapes: dict, seed: int = 0, cfg=None):
 def dense_adapters(shapes: dict, ratio: float, seed: int = 1):
     """Dense random adapters for every site (as trained adapters are; no selection shortcut)."""
     import torch
-    from sdslim_core import adapters, layout, rank_policy
+    from sdslim_core import layout
+    from sdslim_core.io import adapters
+    from sdslim_core.layout import rank_policy
     g = torch.Generator().manual_seed(seed)
     site_list = layout.sites(shapes)
     ranks = rank_policy.ranks_for_ratio(site_list, ratio)
@@ -228,8 +230,8 @@ def write_inputs(folder: Path, shapes: dict, ratio: float, cfg=None) -> dict:
     ``lora``/``locon``/``loha.safetensors`` in ``folder``; returns the UNet's params, slim params, site count and
     the fold's FLOPs."""
     import torch
-    from sdslim_core import fold
-    from sdslim_core.safetensors_io import save_file_atomic
+    from sdslim_core.io.tensors import save_file_atomic
+    from sdslim_core.ops import fold
     generate_checkpoint(folder / "sd15.safetensors", shapes, cfg=cfg)
     aset = dense_adapters(shapes, ratio)
     aset.save(folder / "adapters.safetensors", dtype=torch.float16)
@@ -315,7 +317,7 @@ def main():
     env = env_for(ROOT)
     before = Path(args.before).resolve() if args.before else None
     if before and not (before / "sdslim_core" / "slim.py").exists():
-        raise SystemExit(f"--before {before}: no sdslim_core/slim.py there")
+        raise SystemExit(f"--before {before}: no sdslim_core/apps/slim.py there")
     load_start, pressure_start = os.getloadavg()[0], cpu_pressure()
     tmp = Path(tempfile.mkdtemp(prefix="sdslim-bench-", dir=args.tmp))
     runs, lines = {}, []

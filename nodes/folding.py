@@ -25,8 +25,10 @@ import comfy.model_management
 import comfy.ops
 import comfy.utils
 
-from sdslim_core import adapters, fold, layout, lora_slim
-from sdslim_core.layers import LayerError, resize_like, set_module
+from sdslim_core import layout
+from sdslim_core.io import adapters
+from sdslim_core.modules.layers import LayerError, resize_like, set_module
+from sdslim_core.ops import fold, lora_slim
 
 from . import monitor, patches
 

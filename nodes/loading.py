@@ -16,8 +16,10 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 
-from sdslim_core import layout, lora_slim, slim
-from sdslim_core.safetensors_io import LazyStateDict
+from sdslim_core import layout
+from sdslim_core.apps import slim
+from sdslim_core.io.tensors import LazyStateDict
+from sdslim_core.ops import lora_slim
 
 from . import folding, monitor, patches
 

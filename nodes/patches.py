@@ -3,7 +3,7 @@ ModelPatcher behaviour that does it as they are added.
 
 A LoRA (or hook LoRA, or any weight patch) added *after* Slim UNet was made for the full-size layers. On the layers
 the fold changed, the slim model's patcher (:func:`slim_class`) converts each patch once, when it is added, with
-the core (:class:`sdslim_core.lora_slim.SlimSpace`), and hands ComfyUI ordinary patches: a LoRA/LoCon stays a
+the core (:class:`sdslim_core.ops.lora_slim.SlimSpace`), and hands ComfyUI ordinary patches: a LoRA/LoCon stays a
 ``LoRAAdapter`` of the same rank, LoHa/LoKr/full diffs become a dense ``("diff", …)`` of the slim size, and a
 ``net.2`` delta under an FF intercept also gets its bias patch. The strength stays ComfyUI's, and a LoRA added again
 with the same tensors (a strength change, a hook registered at every sampling) reuses its conversion, so neither
@@ -21,8 +21,8 @@ import weakref
 import torch
 
 from sdslim_core import layout
-from sdslim_core.lora import LoraError, LoraModule, module_scale, norm2_lost
-from sdslim_core.lora_slim import DROPPED
+from sdslim_core.ops.lora import LoraError, LoraModule, module_scale, norm2_lost
+from sdslim_core.ops.lora_slim import DROPPED
 
 PREFIX = layout.COMFY_PREFIX
 log = logging.getLogger("sdslim")
@@ -131,7 +131,7 @@ class Fitted:
 def fit_to_slim(info, k, value, shape: tuple, source: str, out: Fitted) -> None:
     """Record in ``out`` what the patch ``value`` on key ``k`` (a key or ``(key, offset[, function])``) of the slim
     model becomes. ``info``: the model's ``SlimInfo``; ``shape``: the slim weight's shape. Raises
-    :class:`~sdslim_core.lora.LoraError` for forms that need the full-size weight (DoRA, OFT, BOFT, GLoRA)."""
+    :class:`~sdslim_core.ops.lora.LoraError` for forms that need the full-size weight (DoRA, OFT, BOFT, GLoRA)."""
     key = k if isinstance(k, str) else k[0]
     ckey = key[len(PREFIX):] if key.startswith(PREFIX) else None
     space = info.space

@@ -4,8 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from sdslim_core import breakdown, layout
-from sdslim_core.files import format_bytes
+from sdslim_core import layout
+from sdslim_core.io.files import format_bytes
+from sdslim_core.ops import breakdown
 
 PREFIX = layout.COMFY_PREFIX
 

@@ -27,7 +27,7 @@ import comfy.supported_models_base
 import comfy.utils
 
 from sdslim_core import layout, tiny
-from sdslim_core.safetensors_io import load_file
+from sdslim_core.io.tensors import load_file
 
 UNET_PREFIX = layout.CHECKPOINT_PREFIX
 SD15_SCHEDULE = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,

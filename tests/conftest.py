@@ -48,7 +48,7 @@ def randomize_(module: torch.nn.Module, seed=0, scale=0.2):
 
 @pytest.fixture
 def tiny_diffusers_unet():
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     torch.manual_seed(0)
     unet = build_diffusers_unet(tiny_config(), dtype=torch.float64)
     return randomize_(unet).eval()

@@ -10,7 +10,8 @@ import torch
 from a1111_standin.harness import (FakeSdModel, Session, checkpoint, first_noise, lora_for, merged_reference,
                                    tiny_unet, train_time_output, write_adapters)
 from a1111_standin.harness import one_thread, webui  # noqa: F401 (fixtures)
-from sdslim_core import adapters, swap
+from sdslim_core.io import adapters
+from sdslim_core.modules import swap
 
 FF = "input_blocks.1.1.transformer_blocks.0.ff"
 RES = "input_blocks.1.0"
@@ -99,7 +100,7 @@ def test_restore_gives_back_the_same_parameter_objects_bit_identical(session):
 
 
 def _count_folds(monkeypatch):
-    from sdslim_core import fold
+    from sdslim_core.ops import fold
     calls, real = [], fold.fold_state_dict
     monkeypatch.setattr(fold, "fold_state_dict", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
@@ -283,7 +284,7 @@ def test_disable_without_restore_on_disable_restores_at_the_next_generation(sess
 
 
 def test_error_mid_fold_leaves_the_model_intact_and_says_why(session, monkeypatch, capsys):
-    from sdslim_core import fold
+    from sdslim_core.ops import fold
     real, calls = fold.fold_state_dict, []
 
     def failing(weights, adapter_set, **kw):

@@ -6,9 +6,10 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import tiny_config
-from sdslim_core import layout, rank_policy
-from sdslim_core.adapters import AdapterError, AdapterSet, _selection
-from sdslim_core.unet import build_diffusers_unet
+from sdslim_core import layout
+from sdslim_core.io.adapters import AdapterError, AdapterSet, _selection
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules.unet import build_diffusers_unet
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from conftest import ldm_unet, randomize_, tiny_config
-from sdslim_core import adapters, breakdown, files, layout, rank_policy
+from sdslim_core import layout
+from sdslim_core.io import adapters, files
+from sdslim_core.layout import rank_policy
+from sdslim_core.ops import breakdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "comfy_standin")
@@ -334,7 +337,7 @@ def test_loras_after_slim_are_converted_and_equal_the_fold_of_the_merged_weights
     aset = _with_intercept(_aset(weights, 0.5))
     slim = pack.folding.slim_patcher(patcher, aset)
     patches, deltas = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    from sdslim_core import fold, lora_slim
+    from sdslim_core.ops import fold, lora_slim
     calls, converts = [], []
     real, real_convert = fold.fold_site, lora_slim.SlimSpace.convert
     monkeypatch.setattr(fold, "fold_site", lambda *a, **k: calls.append(a[0]) or real(*a, **k))

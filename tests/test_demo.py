@@ -3,7 +3,10 @@ import json
 
 import torch
 
-from sdslim_core import adapters, demo, swap, tiny
+from sdslim_core import tiny
+from sdslim_core.apps import demo
+from sdslim_core.io import adapters
+from sdslim_core.modules import swap
 
 SMOKE = dict(stage1_steps=3, stage2_steps=2, n_trajectories=2, sample_steps=3, ff_tokens=512, res_maps=8,
              rank_grid=(0.5,))

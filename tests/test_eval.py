@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
-from sdslim_core import adapters, evaluate, fidelity, layout, rank_policy
-from sdslim_core.safetensors_io import save_file_atomic
+from sdslim_core import layout
+from sdslim_core.apps import evaluate, fidelity
+from sdslim_core.io import adapters
+from sdslim_core.io.tensors import save_file_atomic
+from sdslim_core.layout import rank_policy
 from sdslim_core.tiny import DEFAULT_PATH
 
 pytestmark = pytest.mark.skipif(not DEFAULT_PATH.exists(), reason="tiny asset not generated")
@@ -15,7 +18,7 @@ pytestmark = pytest.mark.skipif(not DEFAULT_PATH.exists(), reason="tiny asset no
 
 @pytest.fixture(scope="module")
 def weights():
-    from sdslim_core.unet import open_checkpoint
+    from sdslim_core.modules.unet import open_checkpoint
     ck = open_checkpoint(DEFAULT_PATH)
     return {k: v.float() for k, v in ck.weights.items()}
 

@@ -7,13 +7,18 @@ import pytest
 import torch
 
 from conftest import randomize_, tiny_config
-from sdslim_core import adapters, fidelity, fold, layout, quant, rank_policy, swap, tiny
+from sdslim_core import layout, tiny
+from sdslim_core.apps import fidelity
+from sdslim_core.io import adapters
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules import swap
+from sdslim_core.modules.unet import build_diffusers_unet
+from sdslim_core.ops import fold, quant
 from sdslim_core.train import Calibration, TrainConfig, train_adapters
 from sdslim_core.train.augment import Augmenter
 from sdslim_core.train.calibration import InputBank, unet_call
 from sdslim_core.train.init import obs_keep, obs_order
 from sdslim_core.train.sites import build_student, make_site_adapter
-from sdslim_core.unet import build_diffusers_unet
 
 NULL = contextlib.nullcontext
 
@@ -121,7 +126,7 @@ def test_adapter_file_with_intercept_is_version_2_and_round_trips(tmp_path):
     site = next(s for s in aset.sites if aset.kind(s) == "ff")
     aset.sites[site]["up_bias"] = torch.randn(aset.sites[site]["up"].shape[0])
     path = aset.save(tmp_path / "bias.safetensors")
-    from sdslim_core.safetensors_io import read_header
+    from sdslim_core.io.tensors import read_header
     assert read_header(plain)[1]["sdslim.version"] == "1" and read_header(path)[1]["sdslim.version"] == "2"
     back = adapters.AdapterSet.load(path)
     assert torch.equal(back.sites[site]["up_bias"], aset.sites[site]["up_bias"])
@@ -275,7 +280,7 @@ def test_gguf_round_trips_match_llama_cpp_formulas_and_byte_counts():
 def test_fidelity_engine_scores_identity_perfectly_and_sees_a_lora():
     pipe = tiny.load_tiny_pipeline()
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
-    from sdslim_core import lora
+    from sdslim_core.ops import lora
     merged, _ = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], pipe.checkpoint.config)
     cands = fidelity.Candidates(pipe.unet, pipe.checkpoint.config, weights, merged)
     teacher_lora = cands.unet({**weights, **merged})
@@ -299,7 +304,7 @@ def test_fidelity_engine_scores_identity_perfectly_and_sees_a_lora():
 def test_slim_stacked_with_a_format_applies_the_lora_as_that_format_does(method):
     """fp8: the merged, folded weights stored in fp8; GGUF: the slim-space LoRA delta (full precision) on the
     dequantised slim weights — the semantics the format alone gets, so the stacks compare fairly."""
-    from sdslim_core import lora
+    from sdslim_core.ops import lora
     pipe = tiny.load_tiny_pipeline()
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     merged, _ = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], pipe.checkpoint.config)

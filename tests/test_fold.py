@@ -4,7 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import randomize_, tiny_config
-from sdslim_core import adapters, fold, layout, rank_policy, swap
+from sdslim_core import layout
+from sdslim_core.io import adapters
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules import swap
+from sdslim_core.ops import fold
 
 TOL = 1e-10
 
@@ -198,7 +202,7 @@ def test_diffusers_controlnet_residual_arguments(tiny_diffusers_unet):
 
 
 def test_sdxl_structure_folds_exactly():
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     cfg = tiny_config("sdxl")
     unet = randomize_(build_diffusers_unet(cfg, dtype=torch.float64)).eval()
     weights = layout.to_canonical(unet.state_dict())[0]

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdslim_core import fold, layout, rank_policy
-from sdslim_core.unet import canonical_shapes
+from sdslim_core import layout
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules.unet import canonical_shapes
+from sdslim_core.ops import fold
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "bench" / "gpu_suite.py"

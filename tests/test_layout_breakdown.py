@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from sdslim_core import breakdown, fold, layout, rank_policy
+from sdslim_core import layout
 from sdslim_core.cli.breakdown import canonical_shapes_for_arch
-from sdslim_core.safetensors_io import save_file_atomic
-from sdslim_core.unet import build_diffusers_unet, open_checkpoint
+from sdslim_core.io.tensors import save_file_atomic
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules.unet import build_diffusers_unet, open_checkpoint
+from sdslim_core.ops import breakdown, fold
 
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"   # the project's shared/ beside the checkout

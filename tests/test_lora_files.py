@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from sdslim_core import layout, lora
-from sdslim_core.safetensors_io import FileFormatError, save_file_atomic
+from sdslim_core import layout
+from sdslim_core.io.tensors import FileFormatError, save_file_atomic
+from sdslim_core.ops import lora
 
 CFG = tiny_config()
 Q = "input_blocks.1.1.transformer_blocks.0.attn1.to_q"
@@ -13,7 +14,7 @@ NAME = "lora_unet_" + Q.replace(".", "_")
 
 @pytest.fixture(scope="module")
 def weights():
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     shapes = {k: tuple(v.shape) for k, v in build_diffusers_unet(CFG, device="meta").state_dict().items()}
     return {k: torch.zeros(s) for k, s in layout.to_canonical(shapes)[0].items()}
 

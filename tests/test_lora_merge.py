@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from conftest import randomize_, tiny_config
-from sdslim_core import layout, lora
-from sdslim_core.safetensors_io import save_file_atomic
+from sdslim_core import layout
+from sdslim_core.io.tensors import save_file_atomic
+from sdslim_core.ops import lora
 
 TOL = 1e-12
 CFG = tiny_config()
@@ -26,7 +27,7 @@ SKIP = "output_blocks.0.0.skip_connection"
 @pytest.fixture(scope="module")
 def base():
     """(diffusers state dict, canonical weights) of a random float64 tiny SD1.5-structure UNet."""
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     torch.manual_seed(0)
     unet = randomize_(build_diffusers_unet(CFG, dtype=torch.float64))
     sd = {k: v.detach().clone() for k, v in unet.state_dict().items()}
@@ -225,7 +226,7 @@ def test_peft_file_from_real_peft_adapter_with_dora_and_alpha_metadata(base, tmp
     import json
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     sd_full, w = base
     unet = build_diffusers_unet(CFG, device="cpu", dtype=torch.float64)
     unet.load_state_dict(sd_full)
@@ -365,7 +366,7 @@ def test_strengths_order_keys_filter_and_dtype(base):
 
 
 def test_sdxl_lora_on_sd15_is_a_clear_error(base):
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     _, w = base
     xl_cfg = tiny_config("sdxl", context_dim=96)
     xl = layout.to_canonical({k: tuple(v.shape) for k, v in
@@ -382,7 +383,7 @@ def test_sdxl_lora_on_sd15_is_a_clear_error(base):
 
 def test_module_index_has_no_guessed_names():
     shapes = {k: tuple(v) for k, v in layout.to_canonical(
-        {k: tuple(v.shape) for k, v in __import__("sdslim_core.unet", fromlist=["x"]).build_diffusers_unet(
+        {k: tuple(v.shape) for k, v in __import__("sdslim_core.modules.unet", fromlist=["x"]).build_diffusers_unet(
             CFG, device="meta").state_dict().items()})[0].items()}
     index = lora.ModuleIndex(CFG, shapes)
     modules = {k[:-len(".weight")] for k in shapes if k.endswith(".weight")}
@@ -399,7 +400,7 @@ def test_module_index_has_no_guessed_names():
 
 def test_sdxl_structure_kohya_ldm_and_diffusers_names():
     """SDXL kohya LoRAs use LDM names (label_emb, second transformer block); diffusers names must work too."""
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     cfg = tiny_config("sdxl")
     shapes = layout.to_canonical({k: tuple(v.shape) for k, v in
                                   build_diffusers_unet(cfg, device="meta").state_dict().items()})[0]

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from sdslim_core import adapters, fold, layout, lora, lora_slim
+from sdslim_core import layout
+from sdslim_core.io import adapters
+from sdslim_core.ops import fold, lora, lora_slim
 from test_fold import random_adapters
 
 TOL = 1e-12
@@ -234,9 +236,9 @@ def test_dora_refused_on_folded_layers_kept_elsewhere_and_untouched_modules_pass
 
 
 def test_for_slim_recovers_the_full_shapes_of_sd15():
-    from sdslim_core.unet import canonical_shapes
+    from sdslim_core.modules.unet import canonical_shapes
     shapes = canonical_shapes(CFG15)
-    aset = adapters.AdapterSet.shaped_like(CFG15, 0.5)
+    aset = adapters.AdapterSet.shaped_like(shapes, CFG15.family, 0.5)
     slim_shapes = fold.slim_shapes(shapes, aset.ranks())
     assert slim_shapes != shapes
     assert lora_slim.SlimSpace.for_slim(aset, slim_shapes).full_shapes == {k: tuple(v) for k, v in shapes.items()}

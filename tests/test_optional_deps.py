@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sdslim_core import cli, optional, tiny
-from sdslim_core.safetensors_io import save_file_atomic
+from sdslim_core.io.tensors import save_file_atomic
 from test_slim_roundtrip import canonical_weights, random_adapters, write_ldm_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,8 +1,8 @@
-"""sdslim_core.sampling against diffusers' schedulers (an independent implementation of the same conventions)."""
+"""sdslim_core.ops.sampling against diffusers' schedulers (an independent implementation of the same conventions)."""
 import pytest
 import torch
 
-from sdslim_core import sampling
+from sdslim_core.ops import sampling
 
 SD_BETAS = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sdslim_core import cli
-from sdslim_core.safetensors_io import load_file, save_file_atomic
+from sdslim_core.io.tensors import load_file, save_file_atomic
 from test_slim_roundtrip import EXTRA, canonical_weights, make_loras, random_adapters, write_ldm_checkpoint
 
 
@@ -91,8 +91,10 @@ def test_cli_errors_exit_2_and_write_nothing(files, capsys, tmp_path):
 def test_eval_sdxl_structure_identity_is_exact(tmp_path, capsys):
     """SDXL needs pooled-text and size conditioning; identity adapters still give exactly the teacher."""
     from conftest import randomize_, tiny_config
-    from sdslim_core import adapters, layout, rank_policy
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core import layout
+    from sdslim_core.io import adapters
+    from sdslim_core.layout import rank_policy
+    from sdslim_core.modules.unet import build_diffusers_unet
     cfg = tiny_config("sdxl")
     unet = randomize_(build_diffusers_unet(cfg), seed=3)
     w = layout.to_canonical(unet.state_dict())[0]

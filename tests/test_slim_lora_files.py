@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-from sdslim_core import cli, layout, lora, slim
-from sdslim_core.safetensors_io import load_file, read_header, save_file_atomic
+from sdslim_core import cli, layout
+from sdslim_core.apps import slim
+from sdslim_core.io.tensors import load_file, read_header, save_file_atomic
+from sdslim_core.ops import lora
 from test_slim_roundtrip import CFG, EXTRA, PREFIX, canonical_weights, make_loras, random_adapters, write_ldm_checkpoint
 
 TOL = 1e-12
@@ -307,7 +309,7 @@ def test_embedded_adapters_are_ignored_by_comfyui_and_a1111_checkpoint_loaders(f
     assert "model.diffusion_model.input_blocks.0.0.weight" in plain
 
     # and sdslim's own readers see a normal slim checkpoint
-    from sdslim_core.unet import open_checkpoint
+    from sdslim_core.modules.unet import open_checkpoint
     ckpt = open_checkpoint(files / "slim.safetensors")
     assert set(ckpt.weights.file_keys.values()) == take(plain, PREFIX)
     assert set(ckpt.other_keys()) == (plain - take(plain, PREFIX)) | adapter_keys

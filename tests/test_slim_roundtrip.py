@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from conftest import ldm_unet, randomize_, tiny_config
-from sdslim_core import adapters, fold, layout, rank_policy, slim, swap
-from sdslim_core.safetensors_io import load_file, read_header, save_file_atomic
+from sdslim_core import layout
+from sdslim_core.apps import slim
+from sdslim_core.io import adapters
+from sdslim_core.io.tensors import load_file, read_header, save_file_atomic
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules import swap
+from sdslim_core.ops import fold
 
 CFG = tiny_config()
 PREFIX = "model.diffusion_model."
@@ -19,7 +24,7 @@ EXTRA = {"first_stage_model.decoder.conv_out.weight": torch.arange(6, dtype=torc
 # ------------------------------------------------------------------------------------------------ helpers
 
 def canonical_weights(seed=0, dtype=torch.float64):
-    from sdslim_core.unet import build_diffusers_unet
+    from sdslim_core.modules.unet import build_diffusers_unet
     torch.manual_seed(seed)
     unet = randomize_(build_diffusers_unet(CFG, dtype=torch.float64), seed=seed)
     return {k: v.detach().to(dtype).clone() for k, v in layout.to_canonical(unet.state_dict())[0].items()}
@@ -112,7 +117,7 @@ def setup(tmp_path_factory):
 # --------------------------------------------------------------------------------------------------- tests
 
 def test_slim_of_base_plus_lora_equals_train_time_adapters_on_base_plus_lora(setup):
-    from sdslim_core.unet import load_diffusers_unet
+    from sdslim_core.modules.unet import load_diffusers_unet
     teacher_lora = load_diffusers_unet(setup["merged"], CFG, dtype=torch.float64)
     train, _ = swap.attach_train_adapters(teacher_lora, setup["aset"])
     loaded, cfg, meta = slim.load_slim_unet(setup["out"])
@@ -128,7 +133,7 @@ def test_slim_of_base_plus_lora_equals_train_time_adapters_on_base_plus_lora(set
 
 
 def test_loader_matches_build_slim_module_exactly(setup):
-    from sdslim_core.unet import load_diffusers_unet
+    from sdslim_core.modules.unet import load_diffusers_unet
     merged = setup["merged"]
     teacher_lora = load_diffusers_unet(merged, CFG, dtype=torch.float64)
     built = swap.slim_module(teacher_lora, setup["aset"], merged)
@@ -239,7 +244,7 @@ def test_diffusers_folder_fp16_and_norm2_warning(tmp_path):
     assert "down_blocks.0.resnets.0.conv1.weight" in entries              # diffusers names kept
     assert {d for k, (d, _) in entries.items() if not k.startswith(slim.ADAPTER_PREFIX)} == {torch.float16}
     unet, cfg, _ = slim.load_slim_unet(tmp_path / "slim.safetensors", dtype=torch.float32)
-    ref = swap.build_slim_module(__import__("sdslim_core.unet", fromlist=["x"]).load_diffusers_unet(w32, CFG), aset,
+    ref = swap.build_slim_module(__import__("sdslim_core.modules.unet", fromlist=["x"]).load_diffusers_unet(w32, CFG), aset,
                                  {k: v.half().float() for k, v in fold.fold_state_dict(w32, aset).items()})
     x, t, ctx = inputs(seed=7, dtype=torch.float32)
     assert rel(run_diffusers(unet, x, t, ctx), run_diffusers(ref, x, t, ctx)) < 1e-5

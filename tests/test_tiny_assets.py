@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from sdslim_core import layout, sampling, tiny
+from sdslim_core import layout, tiny
+from sdslim_core.io.tensors import read_header
+from sdslim_core.ops import sampling
 from sdslim_core.tiny import data as tiny_data, text as tiny_text
-from sdslim_core.safetensors_io import read_header
 
 MANIFEST = tiny.ASSETS / "manifest.json"
 NAMES = list(tiny_data.COLOURS)
@@ -51,7 +52,7 @@ def test_files_match_manifest():
 
 
 def test_wide_teacher_is_sd15_structure_at_width_64_sharing_the_tiny_vae_and_text_encoder():
-    from sdslim_core.safetensors_io import load_file
+    from sdslim_core.io.tensors import load_file
     wide, _ = load_file(tiny.TEACHERS["wide"].model)
     small, _ = load_file(tiny.DEFAULT_PATH)
     unet = {k[len("model.diffusion_model."):]: tuple(v.shape) for k, v in wide.items() if k.startswith("model.")}

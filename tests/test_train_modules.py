@@ -7,14 +7,16 @@ import pytest
 import torch
 
 from conftest import randomize_, tiny_config
-from sdslim_core import adapters, layout, rank_policy, swap
-from sdslim_core.train import calibration as cal
-from sdslim_core.train import checkpoint, ranks as ranks_mod
+from sdslim_core import layout
+from sdslim_core.io import adapters
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules import swap
+from sdslim_core.modules.unet import build_diffusers_unet
+from sdslim_core.train import calibration as cal, checkpoint, ranks as ranks_mod
 from sdslim_core.train.config import TrainConfig, parse_budget
 from sdslim_core.train.init import SiteInit
 from sdslim_core.train.sites import (FeatureRecorder, SiteData, build_student, gated_tree, make_site_adapter,
                                      set_gates, site_module)
-from sdslim_core.unet import build_diffusers_unet
 
 NULL = __import__("contextlib").nullcontext
 
@@ -287,7 +289,7 @@ def test_checkpoint_roundtrip_keeps_optimizer_and_rng(tmp_path):
 
 def test_cli_budget_run_on_the_shipped_tiny_checkpoint(tmp_path, capsys):
     from sdslim_core import cli, tiny
-    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.io.adapters import AdapterSet
     out = tmp_path / "a.safetensors"
     code = cli.main(["train", "--ckpt", str(tiny.DEFAULT_PATH), "--out", str(out), "--budget", "2.4M",
                      "--steps", "0", "--trajectories", "3", "--sample-steps", "2", "--guidance", "4",
@@ -339,8 +341,8 @@ def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
 
 def test_teacher_from_an_ldm_module_is_the_same_network(tiny_ldm_unet):
     """ComfyUI/A1111 hand over LDM UNetModel trees: the trainer's diffusers teacher computes the same function."""
+    from sdslim_core.modules.unet import load_diffusers_unet
     from sdslim_core.train.run import teacher_weights
-    from sdslim_core.unet import load_diffusers_unet
     weights, cfg = teacher_weights(tiny_ldm_unet)
     assert cfg.num_heads == tiny_ldm_unet.num_heads
     teacher = load_diffusers_unet(weights, cfg, dtype=torch.float64).eval()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from sdslim_core.adapters import AdapterSet
-from sdslim_core.train import CheckpointError, Calibration, TrainConfig, train_adapters
-from sdslim_core.unet import build_diffusers_unet
+from sdslim_core.io.adapters import AdapterSet
+from sdslim_core.modules.unet import build_diffusers_unet
+from sdslim_core.train import Calibration, CheckpointError, TrainConfig, train_adapters
 
 # many short trajectories: the held-out split is by trajectory, and stage 1 generalises only with diverse data
 FAST = dict(ratio=0.5, uniform=True, n_trajectories=40, sample_steps=2, guidance=3.0, latent_size=16, ff_inputs=160, res_maps=128,

@@ -148,7 +148,7 @@ def test_planner_cancel_stops_the_job():
 @pytest.fixture(scope="module")
 def slim_files(tmp_path_factory):
     import torch
-    from sdslim_core.safetensors_io import save_file_atomic
+    from sdslim_core.io.tensors import save_file_atomic
     from test_slim_roundtrip import canonical_weights, random_adapters, write_ldm_checkpoint
     d = tmp_path_factory.mktemp("ui_slim")
     w = canonical_weights(seed=2, dtype=torch.float32)
@@ -185,7 +185,7 @@ def test_slim_errors_are_the_cli_messages_and_write_nothing(slim_files, capsys, 
 
 
 def test_slim_and_breakdown_actions_match_the_cli(slim_files, capsys):
-    from sdslim_core.safetensors_io import load_file
+    from sdslim_core.io.tensors import load_file
     d = slim_files
     roots = Roots([d])
     seen = []

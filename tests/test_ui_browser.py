@@ -53,8 +53,10 @@ SHOTS = os.environ.get("SDSLIM_UI_SCREENSHOTS")
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """The one folder the UI may use: the tiny shipped model, its LoRA, data-free adapters and a broken file."""
-    from sdslim_core import adapters, layout, rank_policy
-    from sdslim_core.unet import open_checkpoint
+    from sdslim_core import layout
+    from sdslim_core.io import adapters
+    from sdslim_core.layout import rank_policy
+    from sdslim_core.modules.unet import open_checkpoint
     d = tmp_path_factory.mktemp("models")
     for name in ("tiny_sd15.safetensors", "tiny_lora_green.safetensors"):
         shutil.copy(os.path.join(ASSETS, name), d / name)
@@ -313,8 +315,8 @@ def test_breakdown_shows_the_seed_numbers(page, capsys):
 
 
 def test_slim_writes_a_checkpoint_that_loads(page, root, capsys, tmp_path):
-    from sdslim_core.safetensors_io import load_file
-    from sdslim_core.slim import load_slim_unet
+    from sdslim_core.apps.slim import load_slim_unet
+    from sdslim_core.io.tensors import load_file
     page.tab("Slim")
     page.choose("slim-ckpt", "tiny_sd15.safetensors")
     page.choose("slim-adapters", "tiny_adapters.safetensors")
@@ -364,7 +366,7 @@ def test_slim_bad_input_shows_the_cli_error_and_writes_nothing(page, root, capsy
 
 
 def test_compare_shows_the_eval_grid_and_numbers(page, root):
-    from sdslim_core.evaluate import evaluate
+    from sdslim_core.apps.evaluate import evaluate
     page.tab("Compare")
     page.choose("cmp-ckpt", "tiny_sd15.safetensors")
     page.choose("cmp-adapters", "tiny_adapters.safetensors")

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from sdslim_core.io.files import GIB
 from sdslim_core.vram.estimate import estimate_many, estimate_sampling
-from sdslim_core.files import GIB
 from sdslim_core.vram.settings import Settings
 
 from vram_toy_models import NARROW, TINY

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import sdslim_core
+from sdslim_core.io.files import GIB
 from sdslim_core.vram import live
-from sdslim_core.files import GIB
 
 NO_CUDA_INIT = """
 import json, sys, torch
@@ -53,10 +53,10 @@ def test_report_text_and_dict():
 
 
 def _stub_modules(monkeypatch):
-    """Stand-ins for sdslim_core.layout.to_canonical and sdslim_core.breakdown.classify_key."""
+    """Stand-ins for sdslim_core.layout.to_canonical and sdslim_core.ops.breakdown.classify_key."""
     layout = types.ModuleType("sdslim_core.layout")
     layout.to_canonical = lambda sd: ({k.replace("diffusion_model.", ""): v for k, v in sd.items()}, "ldm", "")
-    breakdown = types.ModuleType("sdslim_core.breakdown")
+    breakdown = types.ModuleType("sdslim_core.ops.breakdown")
 
     def classify_key(key):
         if ".ff." in key:
@@ -89,7 +89,7 @@ def test_weights_report_components(monkeypatch):
 
 
 def test_weights_report_without_classifier(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sdslim_core.breakdown", None)  # import fails
+    monkeypatch.setitem(sys.modules, "sdslim_core.ops.breakdown", None)  # import fails
     monkeypatch.delattr(sdslim_core, "breakdown", raising=False)
     rep = live.weights_report({"unet": torch.nn.Linear(2, 2)})
     assert rep.models[0].components is None and rep.models[0].total_bytes == 24
@@ -107,7 +107,7 @@ def test_cli_report_json(capsys):
 
 
 def test_weights_report_with_project_classifier():
-    pytest.importorskip("sdslim_core.breakdown")
+    pytest.importorskip("sdslim_core.ops.breakdown")
     from diffusers import UNet2DConditionModel
     from vram_toy_models import TINY
     with torch.device("meta"):

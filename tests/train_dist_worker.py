@@ -11,7 +11,7 @@ from conftest import tiny_config  # noqa: E402
 
 torch.set_num_threads(1)
 from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402
-from sdslim_core.unet import build_diffusers_unet  # noqa: E402
+from sdslim_core.modules.unet import build_diffusers_unet
 
 
 def main(out_dir, config_json):

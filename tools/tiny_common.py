@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from sdslim_core.files import sha256_file  # noqa: E402
+from sdslim_core.io.files import sha256_file
 
 ASSETS = ROOT / "sdslim_core" / "tiny" / "assets"
 MANIFEST = ASSETS / "manifest.json"

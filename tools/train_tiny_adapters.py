@@ -10,11 +10,11 @@ import time
 from tiny_common import ROOT, command_line, record_asset
 
 from sdslim_core import tiny
-from sdslim_core.adapters import AdapterSet
+from sdslim_core.io.adapters import AdapterSet
 
 WHAT = ("sdslim adapter file for tiny_sd15 at the parameter count of uniform ratio {ratio} (ranks allocated per "
         "site by measured whole-UNet error), trained by `sdslim train`; the Slim UNet adapter of the ComfyUI tiny "
-        "demo workflow (`example_workflows/tiny_demo.json`). Load with `sdslim_core.adapters.AdapterSet.load`.")
+        "demo workflow (`example_workflows/tiny_demo.json`). Load with `sdslim_core.io.adapters.AdapterSet.load`.")
 
 
 def main():

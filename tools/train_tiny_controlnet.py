@@ -15,9 +15,10 @@ from tiny_common import (IMG, command_line, diffusion_loss, drop_captions, image
 import torch
 from tqdm import tqdm
 
-from sdslim_core import sampling, tiny
+from sdslim_core import tiny
+from sdslim_core.io.tensors import save_file_atomic
+from sdslim_core.ops import sampling
 from sdslim_core.tiny import data as tiny_data
-from sdslim_core.safetensors_io import save_file_atomic
 
 
 def shape_iou(images: torch.Tensor, masks: torch.Tensor, fg: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from sdslim_core import sampling, tiny
+from sdslim_core import tiny
+from sdslim_core.io.tensors import save_file_atomic
+from sdslim_core.ops import sampling
 from sdslim_core.tiny import data as tiny_data
-from sdslim_core.safetensors_io import save_file_atomic
 
 GREEN = tiny_data.colour_index("green")
 LOCON_RESNETS = ("down_blocks.0.resnets.0", "down_blocks.0.resnets.1", "mid_block.resnets.0",
                  "up_blocks.2.resnets.0", "up_blocks.2.resnets.1", "up_blocks.2.resnets.2")
 LORA_WHAT = ("kohya-format LoRA/LoCon (rank {rank}, alpha {alpha}) for {base}: every attention and FeedForward "
              "linear, plus conv1/conv2 of {n} ResBlocks as LoCon (3×3 down, 1×1 up). Paints every shape green "
-             "whatever colour the caption names. Merge with `sdslim_core.lora` (e.g. `TinyPipeline.unet_with_loras`).")
+             "whatever colour the caption names. Merge with `sdslim_core.ops.lora` (e.g. `TinyPipeline.unet_with_loras`).")
 EVAL_CAPTIONS = ["a red circle on a blue background", "a blue square on a yellow background",
                  "a yellow triangle on a black background", "a white cross on a red background"]
 

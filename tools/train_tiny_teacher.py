@@ -19,10 +19,11 @@ from tiny_common import (IMG, EMA, command_line, diffusion_loss, drop_captions, 
 import torch
 from tqdm import tqdm
 
-from sdslim_core import layout, sampling, tiny
+from sdslim_core import layout, tiny
+from sdslim_core.io.tensors import save_file_atomic
+from sdslim_core.modules.unet import UNET_CONFIG_KEY, build_diffusers_unet
+from sdslim_core.ops import sampling
 from sdslim_core.tiny import data as tiny_data, text as tiny_text
-from sdslim_core.safetensors_io import save_file_atomic
-from sdslim_core.unet import UNET_CONFIG_KEY, build_diffusers_unet
 
 TEACHER_WHAT = ("Tiny SD1.5-structure teacher: UNet + AutoencoderKL + tiny text encoder in one LDM single-file "
                 "checkpoint (fp16). Load with `sdslim_core.tiny.load_tiny_pipeline()`.")

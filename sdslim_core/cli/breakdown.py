@@ -4,19 +4,21 @@ from __future__ import annotations
 import json
 import sys
 
-from .. import breakdown, fold, layout, rank_policy
+from .. import layout
+from ..layout import rank_policy
+from ..ops import breakdown, fold
 
 
 def canonical_shapes_for_arch(arch: str) -> tuple[dict, layout.UNetConfig]:
     """Canonical key → shape of a published architecture (meta device: no memory, no download)."""
-    from ..unet import canonical_shapes
+    from ..modules.unet import canonical_shapes
     cfg = layout.config_for_arch(arch)
     return canonical_shapes(cfg), cfg
 
 
 def canonical_shapes_for_file(path) -> tuple[dict, layout.UNetConfig]:
     """Canonical key → shape of a checkpoint, from its header only."""
-    from ..unet import open_checkpoint
+    from ..modules.unet import open_checkpoint
     ckpt = open_checkpoint(path)
     return ckpt.weights.shapes(), ckpt.config
 

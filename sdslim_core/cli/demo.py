@@ -1,9 +1,9 @@
-"""`sdslim demo`: the whole mission on the shipped tiny model (:mod:`sdslim_core.demo`)."""
+"""`sdslim demo`: the whole mission on the shipped tiny model (:mod:`sdslim_core.apps.demo`)."""
 from __future__ import annotations
 
 
 def _run(args) -> int:
-    from ..demo import run
+    from ..apps.demo import run
     return run(args)
 
 

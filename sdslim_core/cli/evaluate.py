@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import sys
 
-from ..lora import parse_lora_arg
+from ..ops.lora import parse_lora_arg
 
 
 def run(args) -> int:
-    from ..evaluate import dumps, evaluate, format_result
+    from ..apps.evaluate import dumps, evaluate, format_result
     loras = [parse_lora_arg(x) for x in args.lora]
     png = None if args.no_png else args.png
     result = evaluate(args.ckpt, args.adapters, loras, seeds=args.seeds, steps=args.steps, method=args.method,

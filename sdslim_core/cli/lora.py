@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..lora import LoraError, LoraMerger, MergeReport, parse_lora_arg, text_encoder_part
-from ..lora_slim import convert_modules, kohya_tensors
-from ..safetensors_io import save_file_atomic
+from ..io.tensors import save_file_atomic
+from ..ops.lora import LoraError, LoraMerger, MergeReport, parse_lora_arg, text_encoder_part
+from ..ops.lora_slim import convert_modules, kohya_tensors
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -41,7 +41,7 @@ def _usual_dtype(modules) -> torch.dtype:
 
 def convert_lora_for_slim(slim_path, lora, out, strength: float = 1.0, adapters=None,
                           dtype: torch.dtype | None = None) -> ConvertResult:
-    """Write ``out``: ``lora`` converted into the slim space of ``slim_path`` (see :mod:`sdslim_core.lora_slim`), as
+    """Write ``out``: ``lora`` converted into the slim space of ``slim_path`` (see :mod:`sdslim_core.ops.lora_slim`), as
     a kohya-format file with ``strength`` baked in and tensors in ``dtype`` (default: the LoRA's own).
 
     Low-rank modules keep their rank (``lora_up``/``lora_down``/``alpha``); LoHa/LoKr/full-diff modules on folded
@@ -49,7 +49,7 @@ def convert_lora_for_slim(slim_path, lora, out, strength: float = 1.0, adapters=
     modules on layers the fold keeps and the text-encoder keys are copied. Before writing, the result is parsed
     again against the slim checkpoint's own shapes, as a shape-checking loader would. Nothing is written on error.
     """
-    from ..slim import check_output_path, open_slim
+    from ..apps.slim import check_output_path, open_slim
     out = Path(out)
     check_output_path(out, slim_path, lora, what="the converted LoRA")
     view = open_slim(slim_path, adapters)

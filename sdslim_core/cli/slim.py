@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..lora import parse_lora_arg
+from ..ops.lora import parse_lora_arg
 
 WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8_e4m3fn": "float8_e4m3fn"}
 
@@ -20,7 +20,7 @@ def _progress(enabled: bool):
 
 
 def summary_text(result, loras) -> str:
-    """The human-readable lines ``sdslim slim`` prints for a :class:`~sdslim_core.slim.SlimResult`."""
+    """The human-readable lines ``sdslim slim`` prints for a :class:`~sdslim_core.apps.slim.SlimResult`."""
     mib = 2 ** 20
     lines = [result.merge.summary()] if loras and not result.lora_forms else \
         [f"warning: {w}" for w in result.warnings]
@@ -41,7 +41,7 @@ def summary_text(result, loras) -> str:
 
 
 def run(args) -> int:
-    from ..slim import slim_checkpoint
+    from ..apps.slim import slim_checkpoint
     loras = [parse_lora_arg(x) for x in args.lora]
     import torch
     weight_dtype = getattr(torch, WEIGHT_DTYPES[args.weight_dtype]) if args.weight_dtype else None

@@ -107,7 +107,7 @@ def _read_images(folder, size: int):
 
 
 def build_calibration(args, ckpt, pipe):
-    from .. import sampling
+    from ..ops import sampling
     from ..train.calibration import Calibration
     schedule = pipe.schedule if pipe is not None else sampling.Schedule()
     prompts = _prompts(args)
@@ -182,7 +182,7 @@ def config_from_args(args, pipe=None, log=None):
 
 
 def cmd_train(args) -> int:
-    from ..unet import open_checkpoint
+    from ..modules.unet import open_checkpoint
     from ..train.checkpoint import CheckpointError
     from ..train.run import train_adapters
 

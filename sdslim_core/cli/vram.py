@@ -5,7 +5,7 @@ import sys
 
 from . import error_text
 from ..vram.settings import (ARCHS, ATTENTIONS, DEFAULT_BATCH_SIZES, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings,
-                       parse_batch_sizes, select_matrix, settings_from_ckpt, with_overrides)
+                             parse_batch_sizes, select_matrix, settings_from_ckpt, with_overrides)
 
 DEFAULT_RESOLUTION = {"sd15": 768, "sd2": 768, "sdxl": 1024}
 

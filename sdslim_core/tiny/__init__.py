@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .. import lora, sampling, unet as unet_mod
 from . import text as tiny_text
-from ..safetensors_io import FileFormatError, load_file
+from ..io.tensors import FileFormatError, load_file
+from ..modules import unet as unet_mod
+from ..ops import lora, sampling
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
@@ -91,7 +92,7 @@ class TinyPipeline:
         return self.decode(latents)
 
     def unet_with_loras(self, loras) -> torch.nn.Module:
-        """A new diffusers UNet with ``loras`` = [(path, strength), …] merged (via :mod:`sdslim_core.lora`)."""
+        """A new diffusers UNet with ``loras`` = [(path, strength), …] merged (via :mod:`sdslim_core.ops.lora`)."""
         weights = self.checkpoint.weights
         merged, _ = lora.merge_loras(weights, loras, self.checkpoint.config)
         full = {k: merged.get(k, weights[k]) for k in weights}

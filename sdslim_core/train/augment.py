@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import layout, swap
+from .. import layout
+from ..modules import swap
 from .calibration import InputBank, _gen, unet_call
 
 

@@ -24,9 +24,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .. import layout, sampling, swap
-from ..files import atomic_path
-from ..safetensors_io import FileFormatError, LazyStateDict, load_file, save_file_atomic
+from .. import layout
+from ..io.files import atomic_path
+from ..io.tensors import FileFormatError, LazyStateDict, load_file, save_file_atomic
+from ..modules import swap
+from ..ops import sampling
 
 BANK_FILE = "inputs.safetensors"
 MANIFEST = "manifest.json"

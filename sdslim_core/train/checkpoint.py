@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..safetensors_io import FileFormatError, LazyStateDict, save_file_atomic
+from ..io.tensors import FileFormatError, LazyStateDict, save_file_atomic
 
 FORMAT = "sdslim-train-checkpoint"
 VERSION = 1

@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import adapters, layout, rank_policy
+from .. import layout
+from ..io import adapters
+from ..layout import rank_policy
 from .sites import SiteData, build_student, make_site_adapter
 
 _RIDGE = 1e-6

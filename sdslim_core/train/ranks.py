@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
-from .. import fold, layout, rank_policy
+from .. import layout
+from ..layout import rank_policy
+from ..ops import fold
 from .config import TrainConfig, parse_budget
 
 

@@ -19,18 +19,18 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from .. import layout, optional, rank_policy
-from ..adapters import AdapterSet
-from ..safetensors_io import load_file, save_file_atomic
-from ..unet import load_diffusers_unet
-from . import calibration as cal
-from . import dist, ranks as ranks_mod, report as report_mod, sensitivity, stage1, stage2, vram
+from . import calibration as cal, dist, ranks as ranks_mod, report as report_mod, sensitivity, stage1, stage2, vram
+from .. import layout, optional
+from ..io.adapters import AdapterSet
+from ..io.tensors import load_file, save_file_atomic
+from ..layout import rank_policy
+from ..modules.unet import load_diffusers_unet
 from .config import TrainConfig
 from .init import SiteInit
 from .sites import SiteData, build_student, make_site_adapter
 from .teacher import TeacherPlacement, free_device_memory
-from .workdir import WorkDir
 from .vram import adapter_param_count
+from .workdir import WorkDir
 
 DEFAULT_LATENT = {"sd15": 64, "sd2": 96, "sdxl": 128}
 TRAIN_META_VERSION = 1
@@ -63,7 +63,7 @@ def _heads_from_diffusers(module) -> dict:
 
 def teacher_weights(unet, cfg: layout.UNetConfig | None = None) -> tuple[Mapping, layout.UNetConfig]:
     """(canonical weights, UNetConfig) from a diffusers/LDM module, a state dict in any naming, or an
-    :class:`~sdslim_core.unet.CheckpointUNet`."""
+    :class:`~sdslim_core.modules.unet.CheckpointUNet`."""
     if hasattr(unet, "weights") and hasattr(unet, "config") and isinstance(getattr(unet, "config"),
                                                                           layout.UNetConfig):
         return unet.weights, cfg or unet.config
@@ -597,7 +597,7 @@ def train_adapters(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibr
     """Distil slim adapters from a teacher UNet; returns ``TrainResult(adapters, report)``.
 
     ``unet``: a diffusers ``UNet2DConditionModel`` or LDM ``UNetModel``, a UNet state dict in any naming, or an
-    opened checkpoint (:func:`sdslim_core.unet.open_checkpoint`); it is never modified. ``cfg``: its
+    opened checkpoint (:func:`sdslim_core.modules.unet.open_checkpoint`); it is never modified. ``cfg``: its
     :class:`~sdslim_core.layout.UNetConfig` (read from the weights when omitted). ``calib``: a
     :class:`~sdslim_core.train.calibration.Calibration` (default: unconditional; ``contexts=[tensor, …]``
     is a shortcut for :meth:`Calibration.from_contexts`). ``train_cfg``: a :class:`TrainConfig`; keyword

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import swap
-from ..adapters import AdapterSet
+from ..io.adapters import AdapterSet
+from ..modules import swap
 from .calibration import InputBank, _gen, unet_call
 
 

@@ -12,9 +12,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .. import layout, swap
-from ..adapters import AdapterSet
-from ..layers import set_module
+from .. import layout
+from ..io.adapters import AdapterSet
+from ..modules import swap
+from ..modules.layers import set_module
 
 
 def site_module(tree: nn.Module, site: str, cfg: layout.UNetConfig | None = None) -> nn.Module:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..adapters import AdapterSet
-from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
+from ..io.adapters import AdapterSet
+from ..io.tensors import load_file, save_file_atomic
 from .calibration import _gen
 from .fit import FitLoop
 from .sites import build_student, call_site, make_site_adapter

@@ -19,11 +19,11 @@ import json
 
 import torch
 
-from .. import swap
-from ..adapters import AdapterSet
-from ..layers import set_module
-from ..safetensors_io import load_file, save_file_atomic
 from . import checkpoint
+from ..io.adapters import AdapterSet
+from ..io.tensors import load_file, save_file_atomic
+from ..modules import swap
+from ..modules.layers import set_module
 from .augment import Augmenter
 from .calibration import InputBank, _gen, unet_call
 from .fit import FitLoop

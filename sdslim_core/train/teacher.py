@@ -7,7 +7,8 @@ import copy
 import torch
 from torch import nn
 
-from .. import layout, swap
+from .. import layout
+from ..modules import swap
 
 
 def free_device_memory(device: torch.device):

@@ -44,7 +44,7 @@ def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_byt
              train_sites=None) -> dict:
     """Resident bytes per stage (GiB), from shapes only (stage 2: the ``train_sites`` group's adapters)."""
     from .. import layout
-    from ..unet import build_diffusers_unet
+    from ..modules.unet import build_diffusers_unet
     unet = build_diffusers_unet(cfg, device="meta")
     canon, _, _ = layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})
     site_list = layout.sites(canon)
@@ -98,8 +98,8 @@ def _site_pixels(site: str, cfg, latent: int, cache: dict) -> int:
 def _empty_adapter_set(by_name: dict, ranks: dict):
     """An :class:`AdapterSet` of empty tensors (fake-tensor safe: its validation, which reads values, is skipped)."""
     import torch
-    from ..adapters import AdapterSet
-    from ..rank_policy import res_groups
+    from ..io.adapters import AdapterSet
+    from ..layout.rank_policy import res_groups
     tensors, groups = {}, {}
     for site, r in ranks.items():
         s = by_name[site]
@@ -122,9 +122,10 @@ def estimator_model(settings):
     (default all; with stage-2 groups, the largest group) get gated trainable adapters; the frozen teacher becomes
     fp16 buffers.
     """
-    from .. import layout, swap
+    from .. import layout
+    from ..modules import swap
+    from ..modules.layers import set_module
     from ..vram import harness
-    from ..layers import set_module
     from .sites import SiteGate
     unet = harness.original_unet(settings)
     spec = json.loads(os.environ.get(_ENV, "{}"))

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ..files import atomic_path
+from ..io.files import atomic_path
 
 SUBDIRS = ("checkpoints", "stage1", "stage2", "init", "calib")
 FILES = ("init.safetensors", "stage1.safetensors", "run.json")

@@ -21,7 +21,7 @@ import time
 from typing import Callable, Sequence
 
 from ..cli import USER_ERRORS, error_text
-from ..files import GIB
+from ..io.files import GIB
 from ..vram.settings import ARCHS, ATTENTIONS, LORA_KINDS, OPTIMIZERS, PRECISIONS
 from .paths import Roots
 
@@ -284,8 +284,8 @@ def gpu_memory() -> tuple[float | None, str]:
 
 def breakdown_view(roots: Roots, source: str, arch: str, ckpt: str, mode: str, ratio: float | None):
     """(the ``sdslim breakdown --json`` object, markdown table, bar chart) for a family or a checkpoint."""
-    from ..breakdown import ROWS, table_rows
     from ..cli.breakdown import breakdown_result
+    from ..ops.breakdown import ROWS, table_rows
     _choice(mode, ("exact", "seed"), "mode")
     ratio = float(ratio) if ratio else None
     if source == "checkpoint":
@@ -341,7 +341,7 @@ def run_slim(roots: Roots, ckpt: str, adapters: str, loras, select: float, out_f
              progress: Callable[[int, int, str], None] | None = None):
     """``sdslim slim`` for the UI: (the CLI's summary text, its ``--json`` object). Raises on bad input (nothing
     is written then); :func:`user_error` turns that into the CLI's message."""
-    from ..slim import slim_checkpoint
+    from ..apps.slim import slim_checkpoint
     from ..cli.slim import summary_text
     ckpt = roots.resolve(ckpt, "checkpoint")
     adapters = roots.resolve(adapters, "adapter file")
@@ -358,7 +358,7 @@ def run_compare(roots: Roots, ckpt: str, adapters: str, loras, seeds: int, steps
     import numpy as np
     from PIL import Image
 
-    from ..evaluate import evaluate, format_result, jsonable
+    from ..apps.evaluate import evaluate, format_result, jsonable
     ckpt = roots.resolve(ckpt, "checkpoint")
     adapters = roots.resolve(adapters, "adapter file")
     loras = resolve_loras(roots, loras)

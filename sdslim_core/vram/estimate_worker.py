@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from sdslim_core.files import GIB
+from sdslim_core.io.files import GIB
 from sdslim_core.optional import MissingDependency
 from sdslim_core.vram import fakecuda
 from sdslim_core.vram.settings import Settings

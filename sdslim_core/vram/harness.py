@@ -51,10 +51,13 @@ def slim_of(unet, ratio):
     """``unet`` slimmed at ``ratio`` with identity-like adapters (the first r units of every site kept), built
     on the device of the current ``torch.device`` context; untouched weights are shared with ``unet``."""
     try:
-        from sdslim_core import adapters, swap
+        from sdslim_core.io import adapters
+        from sdslim_core.modules import swap
+        from sdslim_core.modules.unet import canonical_shapes
     except ImportError as err:
-        raise RuntimeError(f"--slim-ratio needs sdslim_core.adapters/swap ({err})") from err
-    aset = adapters.AdapterSet.shaped_like(swap.tree_config(unet), ratio=ratio)
+        raise RuntimeError(f"--slim-ratio needs sdslim_core.io.adapters/swap ({err})") from err
+    cfg = swap.tree_config(unet)
+    aset = adapters.AdapterSet.shaped_like(canonical_shapes(cfg), cfg.family, ratio=ratio)
     return swap.slim_module(unet, aset)
 
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..files import GIB
+from ..io.files import GIB
 
 COMPONENTS = ("resnet", "transformer", "feedforward", "downsample", "upsample", "other")
 
@@ -281,10 +281,11 @@ class WeightsReport:
 
 
 def unet_components(module):
-    """Weight bytes per UNet component, classified by ``sdslim_core.breakdown.classify_key`` on the
+    """Weight bytes per UNet component, classified by ``sdslim_core.ops.breakdown.classify_key`` on the
     canonical keys; "feedforward" is the GEGLU FF inside transformer blocks (not also counted in
     "transformer"). Raises ImportError/ValueError when the classifier or the key mapping is missing."""
-    from sdslim_core import breakdown, layout
+    from sdslim_core import layout
+    from sdslim_core.ops import breakdown
     canonical = layout.to_canonical(dict(module.named_parameters()))[0]
     out = dict.fromkeys(COMPONENTS, 0)
     for key, t in canonical.items():

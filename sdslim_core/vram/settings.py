@@ -6,7 +6,7 @@ one-change-at-a-time matrix (SD1.5, 768 px, AMP bf16, AdamW, text encoder frozen
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .. import layout
-from ..files import HeaderError, read_raw_header
+from ..io.files import HeaderError, read_raw_header
 
 PRECISIONS = ("fp32", "amp-bf16", "full-bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-fused")

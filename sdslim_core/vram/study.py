@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from .. import optional
 from . import harness
+from .. import optional
+from ..io.files import GIB
 from .live import measure_peak
-from ..files import GIB
 from .tracker import LiveTracker
 
 

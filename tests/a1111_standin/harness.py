@@ -12,7 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from sdslim_core import adapters, layout, rank_policy, swap
+from sdslim_core import layout
+from sdslim_core.io import adapters
+from sdslim_core.layout import rank_policy
+from sdslim_core.modules import swap
 
 STANDIN = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(STANDIN))

@@ -1,4 +1,4 @@
-"""Float64 reference of the fold, written from the formulas in shared/design.md (not with sdslim_core.fold)."""
+"""Float64 reference of the fold, written from the formulas in shared/design.md (not with sdslim_core.ops.fold)."""
 import torch
 
 

@@ -4,7 +4,7 @@
 
 A tiny model with the SD1.5 block structure is built with ComfyUI's own ``supported_models.SD15`` classes; LoRAs go
 through ComfyUI's loader, ControlNet through its controlnet loader, sampling through ``common_ksampler``.
-References are computed here in float64 from the raw weights (not with sdslim_core.fold).
+References are computed here in float64 from the raw weights (not with sdslim_core.ops.fold).
 Set COMFYUI_HTTP=1 as well to start the server once and queue a workflow over HTTP (about a minute).
 """
 import importlib
@@ -87,7 +87,9 @@ def tiny(comfy):
 @pytest.fixture(scope="module")
 def adapter_dir(comfy, tiny, tmp_path_factory):
     """models/sdslim in a temp dir holding half-width and full-width adapter files for the tiny model."""
-    from sdslim_core import adapters, layout, rank_policy
+    from sdslim_core import layout
+    from sdslim_core.io import adapters
+    from sdslim_core.layout import rank_policy
     folder = tmp_path_factory.mktemp("sdslim_models")
     comfy["folder_paths"].add_model_folder_path("sdslim", str(folder), is_default=True)   # trained files land here
     _, weights = tiny
@@ -189,7 +191,7 @@ def test_slim_matches_float64_reference_and_keeps_original(comfy, tiny, adapter_
     slim_node = _node(comfy, "SdslimSlimUNet")
     (slim,) = slim_node.execute(model=with_lora, adapters="half.safetensors", strength=1.0, enable=True).args
 
-    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.io.adapters import AdapterSet
     aset = AdapterSet.load(adapter_dir / "half.safetensors")
     deltas = {k + ".weight": _lora_delta64(lora, k, weights[k + ".weight"].shape, 0.8)
               for k in (f"{FF}.net.0.proj", f"{RES}.in_layers.2", f"{RES}.out_layers.3")}
@@ -211,7 +213,7 @@ def test_an_fp8_model_stays_fp8_after_slim_unet(comfy, tiny, adapter_dir):
     """Slim stacked with fp8 storage in ComfyUI: a model whose weights are stored in fp8 (as with "weight_dtype
     fp8_e4m3fn") keeps its folded layers in fp8, each the float64 fold of the fp8 weights rounded once, and runs
     through ComfyUI's own cast ops."""
-    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.io.adapters import AdapterSet
     _, weights = tiny
     mc = comfy["supported_models"].SD15(dict(TINY_SD15))
     mc.set_inference_dtype(torch.float8_e4m3fn, torch.float32)
@@ -277,7 +279,7 @@ def test_disable_passes_through_and_strength_selects_lowest_error(comfy, tiny, a
     node = _node(comfy, "SdslimSlimUNet")
     assert node.execute(model=patcher, adapters="half.safetensors", strength=1.0, enable=False).args[0] is patcher
     (part,) = node.execute(model=patcher, adapters="half.safetensors", strength=0.25, enable=True).args
-    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.io.adapters import AdapterSet
     aset = AdapterSet.load(adapter_dir / "half.safetensors")
     errors = aset.site_errors()
     chosen = set(part.model.sdslim_info.ranks)
@@ -367,7 +369,7 @@ def test_report_breakdown_and_monitor_nodes(comfy, tiny, adapter_dir):
     table = _node(comfy, "SdslimUNetBreakdown").execute(model=slim)
     text = table.args[0]
     assert "original vs slim" in text and table.ui.as_dict()["text"] == (text,)
-    from sdslim_core import breakdown
+    from sdslim_core.ops import breakdown
     full = breakdown.count({k: tuple(v.shape) for k, v in patcher.model.diffusion_model.state_dict().items()})
     now = breakdown.count({k: tuple(v.shape) for k, v in slim.model.diffusion_model.state_dict().items()})
     assert f"{full['total']:,}" in text and f"{now['total']:,}" in text and now["total"] < full["total"]
@@ -380,7 +382,9 @@ def test_report_breakdown_and_monitor_nodes(comfy, tiny, adapter_dir):
 
 def test_errors_name_the_file_and_key(comfy, tiny, adapter_dir, tmp_path):
     patcher, weights = tiny
-    from sdslim_core import adapters, layout, rank_policy
+    from sdslim_core import layout
+    from sdslim_core.io import adapters
+    from sdslim_core.layout import rank_policy
     ranks = rank_policy.ranks_for_ratio(layout.sites(weights), 0.5)
     other = adapters.AdapterSet.init_select(weights, ranks, "sd2")
     other.save(adapter_dir / "sd2.safetensors")
@@ -419,7 +423,7 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
     (tmp_path / "custom_nodes").mkdir()
     (tmp_path / "custom_nodes" / "sdslim").symlink_to(ROOT)
     (tmp_path / "adapters").mkdir()
-    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.io.adapters import AdapterSet
     AdapterSet(family="sd15", sites={}, source="x").save(tmp_path / "adapters" / "from_yaml.safetensors")
     (tmp_path / "extra.yaml").write_text(f"test:\n  custom_nodes: {tmp_path / 'custom_nodes'}\n"
                                          f"  sdslim: {tmp_path / 'adapters'}\n")
@@ -496,9 +500,8 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     import dataclasses
 
     from sdslim_core import layout
-    from sdslim_core.adapters import AdapterSet
-    from sdslim_core.train import config as train_config
-    from sdslim_core.train import run as train_run
+    from sdslim_core.io.adapters import AdapterSet
+    from sdslim_core.train import config as train_config, run as train_run
 
     @dataclasses.dataclass
     class Quick(train_config.TrainConfig):       # tiny calibration so the test takes seconds, same code path
@@ -716,7 +719,7 @@ def _loha(weights, keys, seed, rank=2, alpha=1.0):
 @pytest.fixture(scope="module")
 def intercept_adapters(adapter_dir):
     """half.safetensors plus an FF intercept (``up_bias``) on every FF site, as half_c.safetensors."""
-    from sdslim_core.adapters import AdapterSet
+    from sdslim_core.io.adapters import AdapterSet
     aset = AdapterSet.load(adapter_dir / "half.safetensors")
     g = torch.Generator().manual_seed(2)
     for t in aset.sites.values():
@@ -755,7 +758,7 @@ def _run(model, x, t, ctx):
 
 
 def _count_folds(monkeypatch):
-    from sdslim_core import fold
+    from sdslim_core.ops import fold
     calls, real = [], fold.fold_site
     monkeypatch.setattr(fold, "fold_site", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     return calls
@@ -771,7 +774,7 @@ def test_loras_after_slim_unet_equal_loras_before_it(comfy, tiny, intercept_adap
     x, t, ctx = _inputs()
     plain = _run(slim, x, t, ctx)
     calls = _count_folds(monkeypatch)
-    from sdslim_core import lora_slim
+    from sdslim_core.ops import lora_slim
     converts, real_convert = [], lora_slim.SlimSpace.convert
     monkeypatch.setattr(lora_slim.SlimSpace, "convert", lambda *a, **k: converts.append(1) or real_convert(*a, **k))
     for names, strength in ((["lora"], 1.0), (["lora"], 0.4), (["locon"], -0.7), (["loha"], 0.8),
@@ -841,7 +844,7 @@ def test_load_slim_checkpoint_gives_the_slim_unet_and_takes_loras(comfy, tiny, i
     the node's MODEL equals Slim UNet's, and LoRAs after it equal LoRAs folded in first."""
     from safetensors.torch import save_file
 
-    from sdslim_core import slim as core_slim
+    from sdslim_core.apps import slim as core_slim
     patcher, weights = tiny
     sm = comfy["supported_models"]
     tiny_cls = type("TinySD15", (sm.SD15,), {"unet_config": _TinySD15.unet_config})

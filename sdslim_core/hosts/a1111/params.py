@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ...adapters import AdapterSet
-from ...files import format_bytes, sha256_file
+from ...io.adapters import AdapterSet
+from ...io.files import format_bytes, sha256_file
 
 INFOTEXT_KEY = "SD Slim"
 VRAM_KEY = "SD Slim VRAM"

@@ -7,7 +7,7 @@ originals (optionally on the CPU) and puts the very same objects back on :meth:`
 each layer's weights through the host's ``read(layer)`` (e.g. its unmerged weights), or after the host's
 ``merge(layer)`` (so lazily merged LoRA weights are what gets folded) and then its ``unmerge(layer)`` where the host
 keeps its layers unmerged (a LoRA added in the forward). LoRAs can instead be put on the installed slim layers in
-slim space (:meth:`LiveSlim.apply_loras`): their deltas are converted (:mod:`sdslim_core.lora_slim`) and added to
+slim space (:meth:`LiveSlim.apply_loras`): their deltas are converted (:mod:`sdslim_core.ops.lora_slim`) and added to
 the folded weights, kept pristine on the CPU meanwhile, so a LoRA or strength change costs no fold. Folded layers
 are cached by a host-chosen key, always pristine. Loading a state dict into the UNet restores first (a load into
 slim shapes would fail) and drops the cache (the folds were made from the old weights).
@@ -24,11 +24,13 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
-from ... import fold, layout, swap
-from ...adapters import AdapterSet
-from ...layers import LayerError, resize_like
-from ...lora import apply_deltas, module_parts
-from ...lora_slim import SlimSpace
+from ... import layout
+from ...io.adapters import AdapterSet
+from ...modules import swap
+from ...modules.layers import LayerError, resize_like
+from ...ops import fold
+from ...ops.lora import apply_deltas, module_parts
+from ...ops.lora_slim import SlimSpace
 
 
 class SwapError(RuntimeError):
@@ -168,7 +170,7 @@ class LiveSlim:
         return out
 
     def check(self, adapter_set: AdapterSet):
-        """Raise :class:`~sdslim_core.adapters.AdapterError` unless the adapters fit this UNet."""
+        """Raise :class:`~sdslim_core.io.adapters.AdapterError` unless the adapters fit this UNet."""
         shapes = {k: tuple(v.shape) for k, v in self.unet.state_dict(keep_vars=True).items()}
         canon, _, _ = layout.to_canonical(shapes)
         adapter_set.check_model(canon, layout.config_from_state_dict(canon).family)

@@ -32,8 +32,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from . import layout, optional
-from .safetensors_io import FileFormatError, LazyStateDict, all_finite
+from .. import layout, optional
+from ..io.tensors import FileFormatError, LazyStateDict, all_finite
 
 TE_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
                "text_encoders.", "lora_te.", "lora_te1.", "lora_te2.", "te.", "te1.", "te2.", "cond_stage_model.",
@@ -644,7 +644,7 @@ def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | Non
 def fold_conflicts(report: MergeReport, fold_sites) -> list[str]:
     """Warnings for LoRA deltas on layers the fold replaces (norm2 = ``out_layers.0`` of slimmed Res sites).
 
-    ``fold_sites``: an :class:`~sdslim_core.adapters.AdapterSet` or site names.
+    ``fold_sites``: an :class:`~sdslim_core.io.adapters.AdapterSet` or site names.
     """
     names = fold_sites.sites if hasattr(fold_sites, "sites") else fold_sites
     norm2 = {f"{s}.{layout.RES_LAYERS['ldm']['norm2']}" for s in names if layout.site_kind(s) == "res"}

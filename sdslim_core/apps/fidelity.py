@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import fold, quant, sampling
-from .unet import load_diffusers_unet
+from ..modules.unet import load_diffusers_unet
+from ..ops import fold, quant, sampling
 
 
 # --------------------------------------------------------------------------------------------- metrics
@@ -206,14 +206,14 @@ class Candidates:
     """Builds what a user can run instead of ``teacher`` — slim, weight-quantised, or both — each with and without
     the same LoRA, the way the hosts apply it:
 
-    - slim: the LoRA is merged into the full weights, then folded (:mod:`sdslim_core.lora`, :mod:`fold`);
+    - slim: the LoRA is merged into the full weights, then folded (:mod:`sdslim_core.ops.lora`, :mod:`fold`);
     - ``fp8`` storage: merged, then stored in fp8 (ComfyUI re-casts patched weights to the storage dtype);
     - GGUF ``q8_0``/``q4_0``: the LoRA delta is added to the dequantised weights at run time (ComfyUI-GGUF);
     - slim + a storage format: the slim weights (merged and folded for the LoRA) stored as that format stores
       them (for GGUF: the slim-space LoRA delta on the dequantised slim weights).
 
     ``weights`` are the teacher's canonical float weights; ``lora_delta`` the canonical keys a LoRA changes (with
-    their merged values), e.g. from :func:`sdslim_core.lora.merge_loras`.
+    their merged values), e.g. from :func:`sdslim_core.ops.lora.merge_loras`.
     """
 
     def __init__(self, teacher: nn.Module, cfg, weights: dict, lora_delta: dict | None = None):

@@ -1,7 +1,7 @@
 """LoRAs in slim space: exact conversion of LoRA/LyCORIS modules made for the original model into modules for
 its slim form, without the full-size weights.
 
-The fold of every layer is linear (:func:`sdslim_core.fold.map_layer`), so fold(W + s·ΔW) = fold(W) + s·map(ΔW).
+The fold of every layer is linear (:func:`sdslim_core.ops.fold.map_layer`), so fold(W + s·ΔW) = fold(W) + s·map(ΔW).
 Per form, on the layers of folded sites (modules on every other layer pass through unchanged, as the same object):
 
 - LoRA / LoCon (incl. a Tucker ``lora_mid``; kohya, peft, diffusers, ComfyUI names): stays low-rank, same rank and
@@ -9,14 +9,14 @@ Per form, on the layers of folded sites (modules on every other layer pass throu
   layers map the down factor (net.2: down·U; conv2: down×U, a LoCon's 3×3 factor absorbs U);
 - LoHa without Tucker cores: (W1a·W1b)⊙(W2a·W2b) is exactly a LoRA of rank k1·k2 (row-wise Kronecker factors),
   converted as above where that costs no more than the dense slim layer, else like the next item;
-- LoHa with Tucker cores, LoKr, full diffs, LyCORIS norm deltas: ΔW (:func:`sdslim_core.lora.delta_weight`) mapped
+- LoHa with Tucker cores, LoKr, full diffs, LyCORIS norm deltas: ΔW (:func:`sdslim_core.ops.lora.delta_weight`) mapped
   to an exact dense slim-size delta (kind ``diff``); bias deltas (``diff_b``/``b_norm``) are mapped the same way;
 - DoRA on a folded layer renormalises with the full-size base weight: refused (:class:`LoraError`, fold it instead);
-- anything on a folded ResBlock's norm2 (which the fold replaces): dropped, with :func:`sdslim_core.lora.norm2_lost`.
+- anything on a folded ResBlock's norm2 (which the fold replaces): dropped, with :func:`sdslim_core.ops.lora.norm2_lost`.
 
-Modules are :class:`~sdslim_core.lora.LoraModule` on canonical module paths, as :func:`sdslim_core.lora.parse_lora`
+Modules are :class:`~sdslim_core.ops.lora.LoraModule` on canonical module paths, as :func:`sdslim_core.ops.lora.parse_lora`
 returns them or as a host builds them from its own patches; converted modules target the same paths with slim
-shapes, so :func:`sdslim_core.lora.apply_deltas`, ComfyUI and A1111 apply them like any LoRA. Strength is not part of
+shapes, so :func:`sdslim_core.ops.lora.apply_deltas`, ComfyUI and A1111 apply them like any LoRA. Strength is not part of
 a module: apply a converted module with the strength its original would get.
 """
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from . import fold, layout
-from .adapters import AdapterSet
+from . import fold
+from .. import layout
+from ..io.adapters import AdapterSet
 from .lora import LoraError, LoraModule, delta_weight, module_parts, module_scale, norm2_lost
 
 UNCHANGED, LOW_RANK, DENSE, DROPPED = "unchanged", "low-rank", "dense", "dropped"
@@ -37,7 +38,7 @@ UNCHANGED, LOW_RANK, DENSE, DROPPED = "unchanged", "low-rank", "dense", "dropped
 class SlimSpace:
     """The fold maps of one adapter set, applied to LoRA modules.
 
-    ``adapters``: the folded :class:`~sdslim_core.adapters.AdapterSet` (its tensors may be on ``meta`` when
+    ``adapters``: the folded :class:`~sdslim_core.io.adapters.AdapterSet` (its tensors may be on ``meta`` when
     ``site_tensors`` reads them); ``full_shapes``: canonical key → shape of the original model (see
     :meth:`for_slim`); ``site_tensors(site)``: that site's adapter tensors (default ``adapters.sites[site]``).
     """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from . import layout
+from .. import layout
 
 DEFAULT_GROUPS = 32                   # GroupNorm groups of every SD1.x/2.x/XL ResBlock norm2
 

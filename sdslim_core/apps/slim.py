@@ -22,14 +22,15 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import fold, layout
-from .adapters import AdapterSet
-from .lora import LoraMerger, MergeReport, apply_deltas
-from .lora_slim import SlimSpace
-from .files import atomic_path, sha256_file
-from .layers import LayerError, resize_like, set_module
-from .safetensors_io import FileFormatError, LazyStateDict, read_header
-from .unet import UNET_CONFIG_KEY, load_diffusers_unet, open_checkpoint
+from .. import layout
+from ..io.adapters import AdapterSet
+from ..io.files import atomic_path, sha256_file
+from ..io.tensors import FileFormatError, LazyStateDict, read_header
+from ..modules.layers import LayerError, resize_like, set_module
+from ..modules.unet import UNET_CONFIG_KEY, load_diffusers_unet, open_checkpoint
+from ..ops import fold
+from ..ops.lora import LoraMerger, MergeReport, apply_deltas
+from ..ops.lora_slim import SlimSpace
 
 SLIM_KEY = "sdslim.slim"
 ADAPTER_PREFIX = layout.SDSLIM_TENSORS + "adapters."   # embedded adapter tensors: ADAPTER_PREFIX + "<site>.<tensor>"
@@ -395,7 +396,7 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
 @dataclasses.dataclass
 class SlimView:
     """A slim checkpoint opened for LoRA work: its file, canonical key → file key, canonical slim shapes, full-size
-    config, sdslim metadata and the :class:`~sdslim_core.lora_slim.SlimSpace` of its adapters (read lazily)."""
+    config, sdslim metadata and the :class:`~sdslim_core.ops.lora_slim.SlimSpace` of its adapters (read lazily)."""
     file: LazyStateDict
     file_keys: dict
     shapes: dict
@@ -416,7 +417,7 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
     """Apply ``loras`` [(path, strength)] to an already-slim checkpoint, in slim space, and write ``out``.
 
     Each LoRA is parsed against the original model (``sdslim.unet_config`` and the adapter widths give its
-    shapes), converted with :class:`~sdslim_core.lora_slim.SlimSpace` one tensor at a time while streaming and added
+    shapes), converted with :class:`~sdslim_core.ops.lora_slim.SlimSpace` one tensor at a time while streaming and added
     to the slim weights: the same result as folding the original with the LoRA merged first (exact up to the
     output dtype), without the original checkpoint or a re-fold. Forms that need the full-size weight (DoRA on a
     folded layer) are refused before anything is written; norm2 deltas are dropped with a warning. Every other

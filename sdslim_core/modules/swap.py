@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fold, layout
-from .adapters import AdapterSet
+from .. import layout
+from ..io.adapters import AdapterSet
+from ..ops import fold
 from .layers import resize_like, set_module
 
 TORCH_OPS = SimpleNamespace(Linear=nn.Linear, Conv2d=nn.Conv2d, GroupNorm=nn.GroupNorm)
@@ -194,7 +195,7 @@ def build_slim_module(unet: nn.Module, adapter_set: AdapterSet, folded: Mapping[
                       ops=TORCH_OPS) -> nn.Module:
     """A clone of ``unet`` whose sites hold the folded (slim) layers; untouched weights are shared.
 
-    ``folded`` is :func:`sdslim_core.fold.fold_state_dict`'s output (canonical keys); ``ops`` supplies
+    ``folded`` is :func:`sdslim_core.ops.fold.fold_state_dict`'s output (canonical keys); ``ops`` supplies
     ``Linear``/``Conv2d``/``GroupNorm`` classes (e.g. ``comfy.ops`` classes inside ComfyUI).
     """
     out = clone_sharing(unet)
@@ -226,7 +227,7 @@ def build_slim_module(unet: nn.Module, adapter_set: AdapterSet, folded: Mapping[
 def slim_module(unet: nn.Module, adapter_set: AdapterSet, weights: Mapping[str, torch.Tensor] | None = None,
                 ops=TORCH_OPS) -> nn.Module:
     """``unet`` slimmed by ``adapter_set`` in one call: canonical weights (default ``unet``'s own) folded
-    (:func:`sdslim_core.fold.fold_state_dict`) into :func:`build_slim_module`."""
+    (:func:`sdslim_core.ops.fold.fold_state_dict`) into :func:`build_slim_module`."""
     if weights is None:
         weights = layout.to_canonical(unet.state_dict())[0]
     return build_slim_module(unet, adapter_set, fold.fold_state_dict(weights, adapter_set), ops)

@@ -7,7 +7,7 @@ Metadata: ``sdslim.format``=``sdslim-adapters``, ``sdslim.version`` (``1``, or `
 ``sdslim.family``, ``sdslim.norm_groups`` (JSON site→groups where not 32), free JSON (``sdslim.train``,
 ``sdslim.base``).
 
-Ranks and GroupNorm groups of Res bottlenecks follow :mod:`sdslim_core.rank_policy`.
+Ranks and GroupNorm groups of Res bottlenecks follow :mod:`sdslim_core.layout.rank_policy`.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Mapping
 
 import torch
 
-from . import layout, rank_policy
-from .safetensors_io import FileFormatError, all_finite, load_file, read_header, save_file_atomic
-from .unet import canonical_shapes
+from .. import layout
+from ..layout import rank_policy
+from .tensors import FileFormatError, all_finite, load_file, read_header, save_file_atomic
 
 FORMAT = "sdslim-adapters"
 VERSION = 2                           # written only when a file needs it (``up_bias``); version 1 otherwise
@@ -201,10 +201,11 @@ class AdapterSet:
 
     # ------------------------------------------------------------- construction
     @classmethod
-    def shaped_like(cls, cfg: layout.UNetConfig, ratio: float) -> "AdapterSet":
-        """Adapters of the right shapes for every site of ``cfg`` at ``ratio``, keeping the first r units of each
-        site with a unit bottleneck norm: no weights or data needed. For memory, speed and shape work only."""
-        site_list = layout.sites(canonical_shapes(cfg))
+    def shaped_like(cls, shapes: Mapping[str, tuple], family: str, ratio: float) -> "AdapterSet":
+        """Adapters of the right shapes for every site of a UNet (its canonical key → shape map) at ``ratio``,
+        keeping the first r units of each site with a unit bottleneck norm: no weights or data needed. For memory,
+        speed and shape work only."""
+        site_list = layout.sites(shapes)
         sites, groups = {}, {}
         for site, r in rank_policy.ranks_for_ratio(site_list, ratio).items():
             kind = next(s for s in site_list if s.name == site)
@@ -216,7 +217,7 @@ class AdapterSet:
                                "up": sel.t().contiguous()}
                 if rank_policy.res_groups(kind.width, r) != rank_policy.DEFAULT_GROUPS:
                     groups[site] = rank_policy.res_groups(kind.width, r)
-        return cls(cfg.family, sites, groups)
+        return cls(family, sites, groups)
 
     @classmethod
     def init_select(cls, weights: Mapping[str, torch.Tensor], ranks: Mapping[str, int], family: str,

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import layout
+from .. import layout
+from ..io.tensors import FileFormatError, LazyStateDict
 from .layers import LayerError, resize_like, set_module
-from .safetensors_io import FileFormatError, LazyStateDict
 
 UNET_CONFIG_KEY = "sdslim.unet_config"
 

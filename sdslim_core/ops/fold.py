@@ -7,7 +7,7 @@ Res site (conv1 W_1, emb W_e, conv2 W_2; adapter D ∈ R^{r×c}, GroupNorm' over
     W'_1 = D×W_1, b'_1 = D b_1, W'_e = D W_e, b'_e = D b_e, norm2 := GroupNorm', W'_2 = W_2×U, b'_2 = b_2
 Each layer's fold is one of three linear maps (:func:`map_rows`, :func:`map_geglu_rows`, :func:`map_cols`), so
 fold(W + ΔW) = fold(W) + map(ΔW): merging a LoRA first and folding afterwards is exact, and the same maps take a
-LoRA's factors into slim space (:mod:`sdslim_core.lora_slim`).
+LoRA's factors into slim space (:mod:`sdslim_core.ops.lora_slim`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from .layout import FF_LAYERS, RES_LAYERS
+from ..layout import FF_LAYERS, RES_LAYERS
 
 _LDM = RES_LAYERS["ldm"]
 
@@ -181,7 +181,7 @@ def fold_site(site: str, kind: str, get: Callable[[str], torch.Tensor | None], t
 
 
 def fold_state_dict(weights: Mapping[str, torch.Tensor], adapter_set, sites=None, progress=None) -> dict:
-    """Fold ``adapter_set`` (an :class:`~sdslim_core.adapters.AdapterSet`) into canonical ``weights``.
+    """Fold ``adapter_set`` (an :class:`~sdslim_core.io.adapters.AdapterSet`) into canonical ``weights``.
 
     Returns only the keys that change (slim shapes); everything else is untouched and can be shared.
     ``sites`` restricts the fold to a subset; ``progress(i, n, site)`` is called after each site and may raise

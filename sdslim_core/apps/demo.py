@@ -3,7 +3,7 @@
 Loads the teacher, trains adapters (ranks allocated where measured error falls fastest, at the parameter count of
 uniform ``--ratio``), merges the shipped LoRA, folds, runs the shipped ControlNet through the slim UNet, samples the
 same seeds/prompts with teacher and slim, measures the fidelity ladder's columns for the slim model and for what
-users pick instead (fp8 storage, GGUF Q4_0, slim + fp8; :mod:`sdslim_core.fidelity`), and writes a comparison grid,
+users pick instead (fp8 storage, GGUF Q4_0, slim + fp8; :mod:`sdslim_core.apps.fidelity`), and writes a comparison grid,
 a JSON + Markdown summary and the adapter file.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _latency_ratio(teacher, slim, x, t, ctx, repeats: int) -> dict:
 
 def _iou(images, masks, bg_colour_idx) -> float:
     """IoU of the pixels that are not the named background colour with the control mask."""
-    from .tiny.data import nearest_colour
+    from ..tiny.data import nearest_colour
     fg = (nearest_colour(images) != bg_colour_idx[:, None, None]).float()
     m = masks[:, 0]
     return ((fg * m).sum() / ((fg + m) > 0).float().sum().clamp(min=1)).item()
@@ -88,11 +88,14 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
 
 
 def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overrides) -> dict:
-    from . import breakdown, fidelity, fold, lora, quant, swap, tiny
-    from .tiny import data as tiny_data
-    from .sampling import diffusers_fn
-    from .train import Calibration, TrainConfig, train_adapters
-    from .vram.live import memory_report
+    from . import fidelity
+    from .. import tiny
+    from ..modules import swap
+    from ..ops import breakdown, fold, lora, quant
+    from ..ops.sampling import diffusers_fn
+    from ..tiny import data as tiny_data
+    from ..train import Calibration, TrainConfig, train_adapters
+    from ..vram.live import memory_report
     started = time.perf_counter()
     timings = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .rank_policy import fit_groups
+from ..layout.rank_policy import fit_groups
 
 
 class LayerError(ValueError):

@@ -1,6 +1,6 @@
 """`sdslim eval`: same-seed comparison of the teacher and its slim UNet — and of what users pick instead.
 
-Everything runs on the fidelity engine (:mod:`sdslim_core.fidelity`), from the same starting noise (one sample per
+Everything runs on the fidelity engine (:mod:`sdslim_core.apps.fidelity`), from the same starting noise (one sample per
 seed) and conditioning:
 
 - ``eps_rel_error``: ‖ε_slim − ε_teacher‖ / ‖ε_teacher‖ on the inputs the teacher's own sampling trajectory visits
@@ -32,14 +32,15 @@ from typing import Sequence
 import torch
 
 
-from . import layout, quant, sampling
-from .adapters import AdapterSet
+from .. import layout
+from ..io.adapters import AdapterSet
+from ..io.tensors import FileFormatError, LazyStateDict, read_header
+from ..modules.unet import load_diffusers_unet, open_checkpoint
+from ..ops import quant, sampling
+from ..ops.lora import merge_loras
+from ..tiny import load_tiny_pipeline
+from ..train.augment import skip_rms, smooth_residuals
 from .fidelity import Candidates, Probe, compare as compare_with, forward_flops, jsonable, reference
-from .lora import merge_loras
-from .safetensors_io import FileFormatError, LazyStateDict, read_header
-from .tiny import load_tiny_pipeline
-from .train.augment import skip_rms, smooth_residuals
-from .unet import load_diffusers_unet, open_checkpoint
 
 TINY_META = "sdslim.tiny.text_config"
 VAE_PREFIXES = ("first_stage_model.", "vae.")

@@ -15,7 +15,7 @@ import time
 import torch
 
 from sdslim_core import layout
-from sdslim_core.cli.breakdown import canonical_shapes_for_arch
+from sdslim_core.apps.breakdown import canonical_shapes_for_arch
 from sdslim_core.io import adapters
 from sdslim_core.layout import rank_policy
 from sdslim_core.modules import swap

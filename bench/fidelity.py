@@ -120,21 +120,24 @@ class Teacher:
 
 def ablation(t: Teacher, ratio: float, work: Path) -> dict:
     """Held-out per-site error of each initialisation step at uniform ``ratio`` (mean over FF / Res sites)."""
-    from sdslim_core.train.run import Run, teacher_weights
+    from sdslim_core.train.calibration import calibrate
+    from sdslim_core.train.init import site_init
+    from sdslim_core.train.session import Session
     from sdslim_core.train.sites import build_student, make_site_adapter
+    from sdslim_core.train.teacher import teacher_weights
     tc = TrainConfig(ratio=ratio, uniform=True, guidance=4.0, latent_size=t.pipe.latent_size, seed=0,
                      work_dir=str(work), **BUDGETS["init"])
     weights, cfg = teacher_weights(t.pipe.unet, t.cfg)
-    run = Run(weights, cfg, tc, Calibration.from_prompts(t.calib_prompts, t.pipe.encode_prompt),
-              work / "adapters.safetensors", None, False)
+    run = Session(weights, cfg, tc, Calibration.from_prompts(t.calib_prompts, t.pipe.encode_prompt),
+                  work / "adapters.safetensors", None, False)
     fp = run.fingerprint()
     run.prepare_work_dir(fp)
-    run.calibrate(fp)
+    _, store = calibrate(run, fp)
     out: dict = {}
     for site in run.site_order:
         s = run.site_by_name[site]
         r = rank_policy.rank_for_ratio(s.width, ratio, s.kind)
-        si, _ = run._site_init(site)
+        si = site_init(run, store, site)
         st = si.stats
 
         def err(tensors, groups):

@@ -160,8 +160,8 @@ def generate_checkpoint(path: Path, shapes: dict, seed: int = 0, cfg=None):
     tensor by tensor (never the whole model in memory)."""
     import torch
     from sdslim_core import layout
-    from sdslim_core.apps.slim import write_safetensors_streaming
-    from sdslim_core.modules.unet import UNET_CONFIG_KEY
+    from sdslim_core.io.tensors import write_safetensors_streaming
+    from sdslim_core.layout import UNET_CONFIG_KEY
     g = torch.Generator().manual_seed(seed)
     entries = [(PREFIX + k, torch.float16, tuple(s)) for k, s in shapes.items()]
     entries += [(k, torch.float16, s) for k, s in EXTRA.items()]
@@ -254,7 +254,7 @@ def write_inputs(folder: Path, shapes: dict, ratio: float, cfg=None) -> dict:
 def generate(folder: Path, ratio: float, threads: int):
     """Write the inputs into ``folder`` (run in a child process, so the measuring parent stays small)."""
     import torch
-    from sdslim_core.cli.breakdown import canonical_shapes_for_arch
+    from sdslim_core.apps.breakdown import canonical_shapes_for_arch
     torch.set_num_threads(threads)
     shapes, _ = canonical_shapes_for_arch("sd15")
     print(json.dumps(write_inputs(folder, shapes, ratio)))

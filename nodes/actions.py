@@ -9,9 +9,9 @@ import comfy.model_management
 import comfy.utils
 import folder_paths
 
-from sdslim_core.apps.slim import site_reader
 from sdslim_core.io.adapters import AdapterSet
 from sdslim_core.io.files import format_bytes
+from sdslim_core.io.slim_checkpoint import site_reader
 
 from . import folding, monitor, paths, report
 from .specs import Result

@@ -17,7 +17,7 @@ import comfy.utils
 import folder_paths
 
 from sdslim_core import layout
-from sdslim_core.apps import slim
+from sdslim_core.io import slim_checkpoint
 from sdslim_core.io.tensors import LazyStateDict
 from sdslim_core.ops import lora_slim
 
@@ -28,7 +28,7 @@ UNET_PREFIX = layout.CHECKPOINT_PREFIX
 
 def load(path: str) -> tuple:
     """(MODEL, CLIP, VAE) of the slim checkpoint at ``path`` (CLIP/VAE None when the file has none, as in ComfyUI)."""
-    if not slim.is_slim_checkpoint(path):
+    if not slim_checkpoint.is_slim_checkpoint(path):
         raise folding.SlimError(f"sdslim: {path} is not a slim checkpoint (no sdslim.slim=1 metadata); load it with "
                                 "Load Checkpoint, or make one with `sdslim slim`")
     lazy = LazyStateDict(path)
@@ -63,7 +63,7 @@ def _model(path: str, sd: dict, metadata: dict):
     if missing or extra:
         raise folding.SlimError(f"sdslim: {path}: its UNet does not match ComfyUI's {type(base).__name__}: missing "
                                 f"{missing[:3]}, unexpected {extra[:3]}")
-    meta = slim.read_metadata(path)
+    meta = slim_checkpoint.read_metadata(path)
     norm2 = layout.RES_LAYERS["ldm"]["norm2"]
     groups = {f"{s}.{norm2}": g for s, g in (meta.get("sdslim.norm_groups") or {}).items()}
     slim_keys = {k for k, v in weights.items() if tuple(v.shape) != full[k]}
@@ -76,8 +76,8 @@ def _model(path: str, sd: dict, metadata: dict):
         raise folding.SlimError(f"sdslim: {path}: ComfyUI's {type(base).__name__} has tensors the checkpoint does "
                                 f"not fill: {left[:3]}")
     space = None
-    if meta.get(slim.ADAPTER_KEY):
-        aset, site_tensors = slim.slim_adapters(path)
+    if meta.get(slim_checkpoint.ADAPTER_KEY):
+        aset, site_tensors = slim_checkpoint.slim_adapters(path)
         space = lora_slim.SlimSpace(aset, full, site_tensors)
     base.sdslim_info = folding.SlimInfo(family=meta["sdslim.family"], adapters=f"{path} (embedded adapters)",
                                         ranks=meta.get("sdslim.ranks") or {}, full_shapes=full,

@@ -21,7 +21,8 @@ import weakref
 import torch
 
 from sdslim_core import layout
-from sdslim_core.ops.lora import LoraError, LoraModule, module_scale, norm2_lost
+from sdslim_core.io.lora_files import LoraError, LoraModule
+from sdslim_core.ops.lora import module_scale, norm2_lost
 from sdslim_core.ops.lora_slim import DROPPED
 
 PREFIX = layout.COMFY_PREFIX
@@ -131,7 +132,7 @@ class Fitted:
 def fit_to_slim(info, k, value, shape: tuple, source: str, out: Fitted) -> None:
     """Record in ``out`` what the patch ``value`` on key ``k`` (a key or ``(key, offset[, function])``) of the slim
     model becomes. ``info``: the model's ``SlimInfo``; ``shape``: the slim weight's shape. Raises
-    :class:`~sdslim_core.ops.lora.LoraError` for forms that need the full-size weight (DoRA, OFT, BOFT, GLoRA)."""
+    :class:`~sdslim_core.io.lora_files.LoraError` for forms that need the full-size weight (DoRA, OFT, BOFT, GLoRA)."""
     key = k if isinstance(k, str) else k[0]
     ckey = key[len(PREFIX):] if key.startswith(PREFIX) else None
     space = info.space

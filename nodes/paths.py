@@ -67,8 +67,8 @@ def _is_adapter(path: str) -> bool:
 def _header_says(path: str, what: str) -> bool:
     """Whether ``path`` is an sdslim adapter file / slim checkpoint, remembered per (path, size, mtime): the lists
     are asked for on every page load."""
-    from sdslim_core.apps.slim import is_slim_checkpoint
     from sdslim_core.io.adapters import is_adapter_file
+    from sdslim_core.io.slim_checkpoint import is_slim_checkpoint
     from sdslim_core.io.tensors import FileFormatError
     st = os.stat(path)
     key = (what, path, st.st_size, st.st_mtime_ns)

@@ -1,7 +1,7 @@
 """SD Slim for AUTOMATIC1111 stable-diffusion-webui (v1.10+; fallback hooks for older versions).
 
 Right before each sampler pass, the adapters are folded into the layers' own weights (the Lora extension's backups
-where it has merged a LoRA) and fresh slim layers are swapped in (``sdslim_core.hosts.a1111.swap``); the LoRAs the
+where it has merged a LoRA) and fresh slim layers are swapped in (``sdslim_core.modules.live_slim``); the LoRAs the
 extension has loaded for this pass are then applied to the slim layers in slim space (``sdslim_core.hosts.a1111.lora``
 reads the extension's modules), so a LoRA or strength change costs no fold. A LoRA form that needs the full-size
 weight (DoRA, OFT …) on a folded layer is folded in instead: the extension's merge is forced on the layers the fold
@@ -19,7 +19,7 @@ import gradio as gr
 from modules import devices, errors, paths, script_callbacks, scripts, sd_unet, shared, ui_common
 from sdslim_core.hosts.a1111 import lora as a1111_lora
 from sdslim_core.hosts.a1111 import params
-from sdslim_core.hosts.a1111.swap import LiveSlim
+from sdslim_core.modules.live_slim import LiveSlim
 from sdslim_core.vram import live as vram_live
 
 SECTION = ("sdslim", "SD Slim")

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_config
 from sdslim_core import layout
-from sdslim_core.cli.breakdown import canonical_shapes_for_arch
+from sdslim_core.apps.breakdown import canonical_shapes_for_arch
 from sdslim_core.io.tensors import save_file_atomic
 from sdslim_core.layout import rank_policy
 from sdslim_core.modules.unet import build_diffusers_unet, open_checkpoint

@@ -6,6 +6,7 @@ import torch
 
 from conftest import randomize_, tiny_config
 from sdslim_core import layout
+from sdslim_core.io import lora_files
 from sdslim_core.io.tensors import save_file_atomic
 from sdslim_core.ops import lora
 
@@ -377,7 +378,7 @@ def test_sdxl_lora_on_sd15_is_a_clear_error(base):
         if ".attn" in k and k.endswith(".weight"):
             n = "lora_unet_" + k[:-len(".weight")].replace(".", "_")
             sd[f"{n}.lora_down.weight"], sd[f"{n}.lora_up.weight"] = rnd(g, 2, shp[1]), rnd(g, shp[0], 2)
-    with pytest.raises(lora.LoraError, match="another"):
+    with pytest.raises(lora_files.LoraError, match="another"):
         lora.merge_loras(w, [(sd, 1.0)], CFG)
 
 
@@ -385,7 +386,7 @@ def test_module_index_has_no_guessed_names():
     shapes = {k: tuple(v) for k, v in layout.to_canonical(
         {k: tuple(v.shape) for k, v in __import__("sdslim_core.modules.unet", fromlist=["x"]).build_diffusers_unet(
             CFG, device="meta").state_dict().items()})[0].items()}
-    index = lora.ModuleIndex(CFG, shapes)
+    index = lora_files.ModuleIndex(CFG, shapes)
     modules = {k[:-len(".weight")] for k in shapes if k.endswith(".weight")}
     assert set(index.underscore.values()) == modules
     assert index.resolve_kohya("down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_out_0") == \
@@ -394,8 +395,8 @@ def test_module_index_has_no_guessed_names():
         "input_blocks.1.1.transformer_blocks.0.attn1.to_out.0"
     assert index.resolve_kohya("down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_out") is None
     assert not index.ambiguous
-    assert math.isclose(lora.parse_lora_arg("C:/x/y.safetensors:0.5")[1], 0.5)
-    assert lora.parse_lora_arg("C:/x/y.safetensors") == ("C:/x/y.safetensors", 1.0)
+    assert math.isclose(lora_files.parse_lora_arg("C:/x/y.safetensors:0.5")[1], 0.5)
+    assert lora_files.parse_lora_arg("C:/x/y.safetensors") == ("C:/x/y.safetensors", 1.0)
 
 
 def test_sdxl_structure_kohya_ldm_and_diffusers_names():

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_config
 from sdslim_core import layout
-from sdslim_core.io import adapters
+from sdslim_core.io import adapters, lora_files
 from sdslim_core.ops import fold, lora, lora_slim
 from test_fold import random_adapters
 
@@ -231,7 +231,7 @@ def test_dora_refused_on_folded_layers_kept_elsewhere_and_untouched_modules_pass
     add_lora(bad, g, PROJ, shapes[f"{PROJ}.weight"], 4, alpha=4)
     bad[f"{kohya(PROJ)}.dora_scale"] = rnd(g, 2560, 1).abs() + 0.5
     mods = lora.LoraMerger([(bad, 1.0)], CFG15, shapes).parsed[0][0]
-    with pytest.raises(lora.LoraError, match="DoRA.*fold it instead"):
+    with pytest.raises(lora_files.LoraError, match="DoRA.*fold it instead"):
         lora_slim.convert_modules(mods, space)
 
 
@@ -298,7 +298,7 @@ def test_apply_deltas_in_row_slabs_matches_the_whole_tensor(monkeypatch):
     base = (torch.randn(300, 40, 3, 3, generator=g) * 0.1).half()
     entries = []
     for s, r in ((0.8, 4), (-0.3, 8)):
-        mod = lora.LoraModule("x", f"m{r}", "layer", "lora", {"up": rnd(g, 300, r, 1, 1, scale=0.1).half(),
+        mod = lora_files.LoraModule("x", f"m{r}", "layer", "lora", {"up": rnd(g, 300, r, 1, 1, scale=0.1).half(),
                               "down": rnd(g, r, 40, 3, 3, scale=0.1).half(), "alpha": torch.tensor(2.0)}, [])
         entries.append((mod, s, "weight"))
     whole = lora.apply_deltas(base, entries).half()

@@ -136,23 +136,18 @@ def test_vram_study_without_matplotlib_writes_the_rest(monkeypatch, tmp_path, ca
 
 
 def test_train_adamw8bit_on_cuda_without_bitsandbytes(monkeypatch):
-    """Run's optimizer choice (the CUDA-only part of `sdslim train`): asked for -> error; auto -> AdamW, said."""
-    from types import SimpleNamespace
-
-    from sdslim_core.train.run import Run
+    """The run's optimizer choice (the CUDA-only part of `sdslim train`): asked for -> error; auto -> AdamW, said."""
+    from sdslim_core.train.session import optimizer_kind
     block(monkeypatch, "bitsandbytes")
     said = []
-    run_ = SimpleNamespace(device=torch.device("cuda"), say=said.append, tc=SimpleNamespace(optimizer="adamw8bit"))
+    cuda = torch.device("cuda")
     with pytest.raises(optional.MissingDependency, match=re.escape(
             "--optimizer adamw8bit needs bitsandbytes, which is not installed; " + hint("bitsandbytes"))):
-        Run._optimizer_kind(run_)
-    run_.tc.optimizer = "auto"
-    assert Run._optimizer_kind(run_) == "adamw"
+        optimizer_kind(cuda, "adamw8bit", said.append)
+    assert optimizer_kind(cuda, "auto", said.append) == "adamw"
     assert said == ["8-bit AdamW (--optimizer auto) needs bitsandbytes, which is not installed; "
                     + hint("bitsandbytes") + "; using AdamW"]
-    run_.device = torch.device("cpu")
-    run_.tc.optimizer = "adamw8bit"
-    assert Run._optimizer_kind(run_) == "adamw"      # 8-bit AdamW is CUDA-only; the CPU uses AdamW
+    assert optimizer_kind(torch.device("cpu"), "adamw8bit", said.append) == "adamw"  # 8-bit AdamW is CUDA-only
 
 
 def test_a_broken_install_is_not_called_missing(monkeypatch, tmp_path):

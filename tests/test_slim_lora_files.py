@@ -9,7 +9,9 @@ import torch
 
 from sdslim_core import cli, layout
 from sdslim_core.apps import slim
+from sdslim_core.io import lora_files, slim_checkpoint
 from sdslim_core.io.tensors import load_file, read_header, save_file_atomic
+from sdslim_core.modules import unet as unet_mod
 from sdslim_core.ops import lora
 from test_slim_roundtrip import CFG, EXTRA, PREFIX, canonical_weights, make_loras, random_adapters, write_ldm_checkpoint
 
@@ -128,12 +130,12 @@ def test_slim_space_refusals_write_nothing(files, tmp_path):
             f"{name}.lora_up.weight": torch.randn(512, 2, generator=g, dtype=torch.float64),
             f"{name}.dora_scale": torch.ones(512, 1, dtype=torch.float64)}
     save_file_atomic(dora, tmp_path / "dora.safetensors")
-    with pytest.raises(lora.LoraError, match="DoRA.*fold it instead"):
+    with pytest.raises(lora_files.LoraError, match="DoRA.*fold it instead"):
         slim.slim_checkpoint(d / "slim.safetensors", None, tmp_path / "o.safetensors", [(tmp_path / "dora.safetensors", 1.0)])
     nan = {k: v.clone() for k, v in dora.items() if "dora" not in k}
     nan[f"{name}.lora_up.weight"][0, 0] = float("nan")
     save_file_atomic(nan, tmp_path / "nan.safetensors")
-    with pytest.raises(lora.LoraError, match="NaN"):
+    with pytest.raises(lora_files.LoraError, match="NaN"):
         slim.slim_checkpoint(d / "slim.safetensors", None, tmp_path / "o.safetensors", [(tmp_path / "nan.safetensors", 1.0)])
     with pytest.raises(slim.SlimError, match="is the input"):
         slim.slim_checkpoint(d / "slim.safetensors", None, d / "slim.safetensors", [(d / "kohya.safetensors", 1.0)])
@@ -183,7 +185,7 @@ def test_a_site_reader_refuses_an_adapter_file_that_changed(files, tmp_path):
     path = tmp_path / "adapters.safetensors"
     path.write_bytes((d / "adapters.safetensors").read_bytes())
     aset, _ = slim._streamed_adapters(path, 1.0)
-    read = slim.site_reader(path, aset)
+    read = slim_checkpoint.site_reader(path, aset)
     site = next(iter(aset.sites))
     first = read(site)
     random_adapters(canonical_weights(seed=3), seed=6).save(path)          # atomic replace, as the trainer does
@@ -219,7 +221,7 @@ def test_lora_convert_writes_a_kohya_file_that_plain_merging_applies_exactly(fil
         assert_same_unet({**slim_w, **merged}, ref)
         assert not report.unknown
         # a shape-checking loader: every module's up/down (or diff) fits the slim layer it names
-        index = lora.ModuleIndex(CFG, slim_shapes)
+        index = lora_files.ModuleIndex(CFG, slim_shapes)
         for key, v in converted.items():
             if key.startswith("lora_te_") or key.endswith(".alpha"):
                 continue
@@ -265,9 +267,9 @@ def test_embedded_adapters_are_ignored_by_comfyui_and_a1111_checkpoint_loaders(f
     without adapters, and the adapter tensors land nowhere."""
     entries, meta = read_header(files / "slim.safetensors")
     keys = list(entries)
-    adapter_keys = {k for k in keys if k.startswith(slim.ADAPTER_PREFIX)}
+    adapter_keys = {k for k in keys if k.startswith(slim_checkpoint.ADAPTER_PREFIX)}
     plain = set(keys) - adapter_keys
-    assert adapter_keys and meta[slim.ADAPTER_KEY] == slim.ADAPTER_PREFIX
+    assert adapter_keys and meta[slim_checkpoint.ADAPTER_KEY] == slim_checkpoint.ADAPTER_PREFIX
 
     # comfy/model_detection.py unet_prefix_from_state_dict: the candidate with the most keys (> 5), else "model."
     candidates = ["model.diffusion_model.", "model.model.", "net."]
@@ -314,7 +316,7 @@ def test_embedded_adapters_are_ignored_by_comfyui_and_a1111_checkpoint_loaders(f
     assert set(ckpt.weights.file_keys.values()) == take(plain, PREFIX)
     assert set(ckpt.other_keys()) == (plain - take(plain, PREFIX)) | adapter_keys
     assert set(EXTRA) <= set(ckpt.other_keys())
-    loaded_unet, cfg, _ = slim.load_slim_unet(files / "slim.safetensors")
+    loaded_unet, cfg, _ = unet_mod.load_slim_unet(files / "slim.safetensors")
     assert cfg == CFG and sum(p.numel() for p in loaded_unet.parameters()) == sum(
         math.prod(shape) for k, (_, shape) in entries.items() if k.startswith(PREFIX))
 

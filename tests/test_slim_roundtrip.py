@@ -9,10 +9,10 @@ import torch
 from conftest import ldm_unet, randomize_, tiny_config
 from sdslim_core import layout
 from sdslim_core.apps import slim
-from sdslim_core.io import adapters
+from sdslim_core.io import adapters, slim_checkpoint
 from sdslim_core.io.tensors import load_file, read_header, save_file_atomic
 from sdslim_core.layout import rank_policy
-from sdslim_core.modules import swap
+from sdslim_core.modules import swap, unet as unet_mod
 from sdslim_core.ops import fold
 
 CFG = tiny_config()
@@ -120,7 +120,7 @@ def test_slim_of_base_plus_lora_equals_train_time_adapters_on_base_plus_lora(set
     from sdslim_core.modules.unet import load_diffusers_unet
     teacher_lora = load_diffusers_unet(setup["merged"], CFG, dtype=torch.float64)
     train, _ = swap.attach_train_adapters(teacher_lora, setup["aset"])
-    loaded, cfg, meta = slim.load_slim_unet(setup["out"])
+    loaded, cfg, meta = unet_mod.load_slim_unet(setup["out"])
     assert cfg == CFG and next(loaded.parameters()).dtype == torch.float64
     x, t, ctx = inputs()
     ref, out = run_diffusers(train, x, t, ctx), run_diffusers(loaded, x, t, ctx)
@@ -137,7 +137,7 @@ def test_loader_matches_build_slim_module_exactly(setup):
     merged = setup["merged"]
     teacher_lora = load_diffusers_unet(merged, CFG, dtype=torch.float64)
     built = swap.slim_module(teacher_lora, setup["aset"], merged)
-    loaded, _, _ = slim.load_slim_unet(setup["out"])
+    loaded, _, _ = unet_mod.load_slim_unet(setup["out"])
     x, t, ctx = inputs(seed=4)
     a, b = run_diffusers(built, x, t, ctx), run_diffusers(loaded, x, t, ctx)
     assert rel(a, b) < 1e-13
@@ -150,11 +150,11 @@ def test_loader_matches_build_slim_module_exactly(setup):
 def test_file_layout_keys_dtypes_metadata_and_passthrough(setup):
     entries, meta = read_header(setup["out"])
     src, _ = read_header(setup["ckpt"])
-    own = {k for k in entries if k.startswith(slim.ADAPTER_PREFIX)}
+    own = {k for k in entries if k.startswith(slim_checkpoint.ADAPTER_PREFIX)}
     assert set(entries) - own == set(src)                              # same key names, plus the adapters
     assert all(entries[k][0] == src[k][0] for k in src)                # same dtypes
     aset = setup["aset"]
-    assert own == {slim.ADAPTER_PREFIX + k for k in aset.state_dict()} and meta[slim.ADAPTER_KEY] == slim.ADAPTER_PREFIX
+    assert own == {slim_checkpoint.ADAPTER_PREFIX + k for k in aset.state_dict()} and meta[slim_checkpoint.ADAPTER_KEY] == slim_checkpoint.ADAPTER_PREFIX
     assert setup["result"].adapter_bytes == sum(v.numel() * v.element_size() for v in aset.state_dict().values())
     tensors, _ = load_file(setup["out"])
     for k, v in EXTRA.items():                                         # copied through unchanged
@@ -175,7 +175,7 @@ def test_apply_slim_state_dict_on_ldm_unet(setup):
     base.load_state_dict(setup["merged"])
     train, _ = swap.attach_train_adapters(base, setup["aset"])
     target = ldm_unet(CFG)
-    meta = slim.apply_slim_state_dict(target, setup["out"])
+    meta = unet_mod.apply_slim_state_dict(target, setup["out"])
     assert meta["sdslim.slim"] == 1
     for m in target.modules():          # as conftest.ldm_unet does: keep float64 in GroupNorm32 (new norms too)
         if isinstance(m, torch.nn.GroupNorm):
@@ -242,8 +242,8 @@ def test_diffusers_folder_fp16_and_norm2_warning(tmp_path):
     assert any("norm2" in x and "lora_unet_down_blocks_0_resnets_0_norm2" in x for x in result.warnings)
     entries, _ = read_header(tmp_path / "slim.safetensors")
     assert "down_blocks.0.resnets.0.conv1.weight" in entries              # diffusers names kept
-    assert {d for k, (d, _) in entries.items() if not k.startswith(slim.ADAPTER_PREFIX)} == {torch.float16}
-    unet, cfg, _ = slim.load_slim_unet(tmp_path / "slim.safetensors", dtype=torch.float32)
+    assert {d for k, (d, _) in entries.items() if not k.startswith(slim_checkpoint.ADAPTER_PREFIX)} == {torch.float16}
+    unet, cfg, _ = unet_mod.load_slim_unet(tmp_path / "slim.safetensors", dtype=torch.float32)
     ref = swap.build_slim_module(__import__("sdslim_core.modules.unet", fromlist=["x"]).load_diffusers_unet(w32, CFG), aset,
                                  {k: v.half().float() for k, v in fold.fold_state_dict(w32, aset).items()})
     x, t, ctx = inputs(seed=7, dtype=torch.float32)

@@ -342,7 +342,7 @@ def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
 def test_teacher_from_an_ldm_module_is_the_same_network(tiny_ldm_unet):
     """ComfyUI/A1111 hand over LDM UNetModel trees: the trainer's diffusers teacher computes the same function."""
     from sdslim_core.modules.unet import load_diffusers_unet
-    from sdslim_core.train.run import teacher_weights
+    from sdslim_core.train.teacher import teacher_weights
     weights, cfg = teacher_weights(tiny_ldm_unet)
     assert cfg.num_heads == tiny_ldm_unet.num_heads
     teacher = load_diffusers_unet(weights, cfg, dtype=torch.float64).eval()

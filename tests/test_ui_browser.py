@@ -315,7 +315,7 @@ def test_breakdown_shows_the_seed_numbers(page, capsys):
 
 
 def test_slim_writes_a_checkpoint_that_loads(page, root, capsys, tmp_path):
-    from sdslim_core.apps.slim import load_slim_unet
+    from sdslim_core.modules.unet import load_slim_unet
     from sdslim_core.io.tensors import load_file
     page.tab("Slim")
     page.choose("slim-ckpt", "tiny_sd15.safetensors")

@@ -65,9 +65,10 @@ def _stub_modules(monkeypatch):
             return "resnet", False
         return ("downsample" if key.startswith("down") else "other"), False
     breakdown.classify_key = classify_key
-    for name, mod in (("layout", layout), ("breakdown", breakdown)):
-        monkeypatch.setitem(sys.modules, f"sdslim_core.{name}", mod)
-        monkeypatch.setattr(sdslim_core, name, mod, raising=False)
+    import sdslim_core.ops
+    for package, name, mod in ((sdslim_core, "layout", layout), (sdslim_core.ops, "breakdown", breakdown)):
+        monkeypatch.setitem(sys.modules, f"{package.__name__}.{name}", mod)
+        monkeypatch.setattr(package, name, mod, raising=False)
 
 
 def test_weights_report_components(monkeypatch):

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from sdslim_core import layout, tiny
 from sdslim_core.io.tensors import save_file_atomic
-from sdslim_core.modules.unet import UNET_CONFIG_KEY, build_diffusers_unet
+from sdslim_core.layout import UNET_CONFIG_KEY
+from sdslim_core.modules.unet import build_diffusers_unet
 from sdslim_core.ops import sampling
 from sdslim_core.tiny import data as tiny_data, text as tiny_text
 

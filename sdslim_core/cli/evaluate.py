@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from ..ops.lora import parse_lora_arg
+from ..io.lora_files import parse_lora_arg
 
 
 def run(args) -> int:

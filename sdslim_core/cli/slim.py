@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..ops.lora import parse_lora_arg
+from ..io.lora_files import parse_lora_arg
 
 WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8_e4m3fn": "float8_e4m3fn"}
 

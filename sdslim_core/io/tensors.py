@@ -1,9 +1,10 @@
-"""Reading and writing ``.safetensors`` files: lazily, atomically, with clear errors."""
+"""Reading and writing ``.safetensors`` files: lazily, streamed, atomically, with clear errors."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -13,6 +14,7 @@ PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 class FileFormatError(ValueError):
@@ -102,3 +104,59 @@ def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mappin
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a float tensor holds no NaN/Inf: amax/amin propagate NaN, so two reductions and no boolean copy."""
     return not t.numel() or bool(torch.isfinite(t.amax()) and torch.isfinite(t.amin()))
+
+
+def write_safetensors_streaming(path, entries: Sequence[tuple[str, torch.dtype, tuple]],
+                                produce: Callable[[str], torch.Tensor], metadata: Mapping | None = None) -> Path:
+    """Write a ``.safetensors`` file whose tensors are produced one at a time by ``produce(key)``.
+
+    ``entries`` gives (key, dtype, shape) of every tensor. Tensors are laid out by decreasing element size (so
+    every tensor stays aligned), keeping the given order within a size; ``produce`` is called in that layout
+    order. The file appears atomically (temporary file in the same folder, then ``os.replace``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(entries)), key=lambda i: -entries[i][1].itemsize)
+    header, offset = {}, 0
+    for i in order:
+        key, dtype, shape = entries[i]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for i in order:
+            key, dtype, shape = entries[i]
+            t = produce(key)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise RuntimeError(f"internal error: {key} produced {t.dtype} {tuple(t.shape)}, header says "
+                                   f"{dtype} {tuple(shape)}")
+            fh.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return path
+
+
+class StreamReader:
+    """Tensors of a ``.safetensors`` file, read on demand for streaming.
+
+    safetensors maps the file and returns views of the mapping; every page a tensor touches stays mapped, and is
+    counted in the process's RSS, for as long as the file is open. Reopening the file after every ``budget`` bytes
+    read keeps that bounded, so streaming a whole checkpoint costs only the tensors in flight.
+    """
+
+    def __init__(self, path, budget: int = 128 << 20):
+        self.path, self.budget = path, budget
+        self.lazy = LazyStateDict(path)
+        self.entries = self.lazy.entries
+        self._since = 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._since >= self.budget:
+            self.lazy, self._since = LazyStateDict(self.path), 0
+        dtype, shape = self.entries[key]
+        self._since += math.prod(shape) * dtype.itemsize
+        return self.lazy[key]

@@ -13,6 +13,7 @@ from typing import Iterable, Mapping
 
 FAMILIES = ("sd15", "sd2", "sdxl")
 SDSLIM_TENSORS = "sdslim."   # namespace of tensors sdslim stores beside a UNet (a slim checkpoint's adapters)
+UNET_CONFIG_KEY = "sdslim.unet_config"   # metadata: the full-size UNetConfig of a slim checkpoint / tiny teacher
 UNET_TOP_MODULES = ("input_blocks", "middle_block", "output_blocks", "time_embed", "label_emb", "out")
 CHECKPOINT_PREFIX = "model.diffusion_model."     # the UNet in an LDM/A1111 single-file checkpoint
 COMFY_PREFIX = "diffusion_model."                # the UNet in a ComfyUI MODEL

@@ -9,11 +9,9 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..io.slim_checkpoint import read_slim
 from ..io.tensors import FileFormatError, LazyStateDict
 from .layers import LayerError, resize_like, set_module
-
-UNET_CONFIG_KEY = "sdslim.unet_config"
-
 
 @dataclasses.dataclass
 class CheckpointUNet:
@@ -71,12 +69,12 @@ class _LazyCanonical(dict):
 
 
 def _heads_from_metadata(metadata: dict) -> dict:
-    if UNET_CONFIG_KEY not in metadata:
+    if layout.UNET_CONFIG_KEY not in metadata:
         return {}
     try:
-        cfg = json.loads(metadata[UNET_CONFIG_KEY])
+        cfg = json.loads(metadata[layout.UNET_CONFIG_KEY])
     except (TypeError, json.JSONDecodeError):
-        raise FileFormatError(f"metadata {UNET_CONFIG_KEY!r} is not JSON") from None
+        raise FileFormatError(f"metadata {layout.UNET_CONFIG_KEY!r} is not JSON") from None
     return {k: cfg[k] for k in ("num_heads", "num_head_channels") if k in cfg}
 
 
@@ -151,3 +149,51 @@ def _resize_to(unet, shapes: dict, groups: dict):
         except LayerError as err:
             raise FileFormatError(f"{name}: {err}") from None
         set_module(unet, name, new)
+
+
+def load_slim_unet(path, dtype: torch.dtype | None = None, device="cpu"):
+    """A diffusers ``UNet2DConditionModel`` holding a slim checkpoint: (unet, full-size cfg, sdslim metadata).
+
+    ``dtype`` defaults to the file's UNet dtype.
+    """
+    lazy, mapping, _, _, cfg, meta = read_slim(path)
+    weights = {k: lazy[f] for k, f in mapping.items()}
+    dtype = dtype or next(iter(weights.values())).dtype
+    unet = load_diffusers_unet(weights, cfg, dtype=dtype, device=device, norm_groups=meta.get("sdslim.norm_groups"))
+    return unet.eval(), cfg, meta
+
+
+def apply_slim_state_dict(ldm_unet: nn.Module, path) -> dict:
+    """Resize the site layers of an LDM ``UNetModel`` (in place) to a slim checkpoint's shapes and load it.
+
+    Every UNet tensor of the file is loaded (strict: the model must be the full-size original of the file's
+    architecture or an earlier slim load of it); layers keep their class, dtype and device. Returns the sdslim
+    metadata.
+    """
+    lazy, mapping, _, _, cfg, meta = read_slim(path)
+    if not hasattr(ldm_unet, "input_blocks"):
+        raise FileFormatError(f"{type(ldm_unet).__name__} is not an LDM UNetModel (no input_blocks)")
+    own = dict(ldm_unet.state_dict())
+    missing = sorted(set(own) - set(mapping))
+    extra = sorted(set(mapping) - set(own))
+    if missing or extra:
+        raise FileFormatError(f"{path}: does not match this UNet: missing {missing[:3]}, unexpected {extra[:3]} "
+                              "(another architecture?)")
+    groups = meta.get("sdslim.norm_groups") or {}
+    norm2 = layout.RES_LAYERS["ldm"]["norm2"]
+    shapes = {k: tuple(lazy.entries[f][1]) for k, f in mapping.items()}
+    for name, module in list(ldm_unet.named_modules()):
+        w = shapes.get(f"{name}.weight")
+        if w is None or not hasattr(module, "weight") or tuple(module.weight.shape) == w:
+            continue
+        site = name[:-len(norm2) - 1] if name.endswith("." + norm2) else None
+        try:
+            new = resize_like(module, w, groups=groups.get(site) if site else None)
+        except LayerError as err:
+            raise FileFormatError(str(err)) from None
+        set_module(ldm_unet, name, new)
+    own = ldm_unet.state_dict()
+    with torch.no_grad():
+        for k, f in mapping.items():
+            own[k].copy_(lazy[f].to(own[k].dtype))
+    return meta

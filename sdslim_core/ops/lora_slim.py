@@ -14,7 +14,7 @@ Per form, on the layers of folded sites (modules on every other layer pass throu
 - DoRA on a folded layer renormalises with the full-size base weight: refused (:class:`LoraError`, fold it instead);
 - anything on a folded ResBlock's norm2 (which the fold replaces): dropped, with :func:`sdslim_core.ops.lora.norm2_lost`.
 
-Modules are :class:`~sdslim_core.ops.lora.LoraModule` on canonical module paths, as :func:`sdslim_core.ops.lora.parse_lora`
+Modules are :class:`~sdslim_core.io.lora_files.LoraModule` on canonical module paths, as :func:`sdslim_core.io.lora_files.parse_lora`
 returns them or as a host builds them from its own patches; converted modules target the same paths with slim
 shapes, so :func:`sdslim_core.ops.lora.apply_deltas`, ComfyUI and A1111 apply them like any LoRA. Strength is not part of
 a module: apply a converted module with the strength its original would get.
@@ -30,7 +30,8 @@ import torch
 from . import fold
 from .. import layout
 from ..io.adapters import AdapterSet
-from .lora import LoraError, LoraModule, delta_weight, module_parts, module_scale, norm2_lost
+from ..io.lora_files import LoraError, LoraModule
+from .lora import delta_weight, module_parts, module_scale, norm2_lost
 
 UNCHANGED, LOW_RANK, DENSE, DROPPED = "unchanged", "low-rank", "dense", "dropped"
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
@@ -29,6 +31,9 @@ from ..io.files import atomic_path
 from ..io.tensors import FileFormatError, LazyStateDict, load_file, save_file_atomic
 from ..modules import swap
 from ..ops import sampling
+
+if TYPE_CHECKING:
+    from .session import Session
 
 BANK_FILE = "inputs.safetensors"
 MANIFEST = "manifest.json"
@@ -500,3 +505,47 @@ def read_manifest(folder) -> dict | None:
     except json.JSONDecodeError:
         return None
     return data if data.get("complete") else None
+
+
+def calibrate(session: "Session", fp: dict) -> tuple[InputBank, ActivationStore]:
+    """The calibration phase: the UNet inputs and the captured site activations in ``<work dir>/calib`` (made
+    by the main process, reused when a resumed run's fingerprint ``fp`` matches)."""
+    tc, progress = session.tc, session.progress
+    folder = session.work_dir / "calib"
+    man = read_manifest(folder)
+    if not (session.resume and man and man.get("fingerprint") == fp):
+        man = None
+    if man is None and session.topo.main:
+        t0 = time.perf_counter()
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        teacher = session.placement.on_device()
+        sampled = session.calib.latents is None
+        progress.start_stage("calibration", tc.n_trajectories if sampled else tc.n_noised,
+                             unit="traj" if sampled else "input")
+        bank = build_inputs(teacher, session.cfg, session.calib, tc, session.device, session.compute_dtype,
+                            session.latent_size, session.amp, progress=lambda d, n: progress.skip(d))
+        progress.end_stage()
+        bank.save(folder / BANK_FILE)
+        store = ActivationStore(folder, tc.ram_budget_gb * 1e9, _store_dtype(tc.calib_dtype, session.teacher_dtype))
+        progress.start_stage("capture", 1, unit="input")
+        if progress.bar is not None:
+            progress.bar.reset(total=None)
+        capture_sites(teacher, session.cfg, bank, session.site_list, tc, store, session.device,
+                      session.compute_dtype, session.amp, progress=progress.bar_to)
+        progress.end_stage()
+        write_manifest(folder, store, fp, session.calib.description)
+        session.placement.release()
+        session.timing["calibration_s"] = time.perf_counter() - t0
+        session.say(f"calibration: {len(bank)} UNet inputs ({int(bank.is_eval.sum())} held out), "
+                    f"{len(store.shards)} shard(s) in {folder}")
+    session.topo.barrier()
+    man = read_manifest(folder)
+    return InputBank.load(folder / BANK_FILE), ActivationStore.open(folder, man["store"])
+
+
+def _store_dtype(calib_dtype: str, teacher_dtype: torch.dtype) -> torch.dtype:
+    """``--calib-dtype`` (``auto``: float16 for a half-precision teacher, else float32)."""
+    if calib_dtype == "auto":
+        return torch.float16 if teacher_dtype in (torch.float16, torch.bfloat16) else torch.float32
+    return getattr(torch, calib_dtype)

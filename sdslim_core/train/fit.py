@@ -43,7 +43,7 @@ class Fitted(NamedTuple):
 class FitLoop:
     """One stage's loop settings; :meth:`fit` runs one fit (a site, a group) with them. Checkpoints are
     ``<folder>/<prefix>-<stage step>.safetensors`` at multiples of ``every`` stage steps (and after a fit's last
-    step with ``save_last``); ``progress`` is the run's :class:`~sdslim_core.train.run.Progress`."""
+    step with ``save_last``); ``progress`` is the run's :class:`~sdslim_core.train.progress.Progress`."""
     lr: float
     grad_clip: float
     folder: Path

@@ -24,8 +24,10 @@ Every method's relative error is measured on the held-out split and the best is 
 """
 from __future__ import annotations
 
+import json
 import math
-from typing import Mapping
+import time
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,14 @@ from torch import nn
 
 from .. import layout
 from ..io import adapters
+from ..io.tensors import load_file, save_file_atomic
 from ..layout import rank_policy
+from .report import finite
 from .sites import SiteData, build_student, make_site_adapter
+
+if TYPE_CHECKING:
+    from .calibration import ActivationStore
+    from .session import Session
 
 _RIDGE = 1e-6
 
@@ -379,3 +387,63 @@ class SiteInit:
     def curve(self, ranks, method: str = "obs") -> dict[int, float]:
         """Site error vs rank for ``method``."""
         return {r: self.error(self.tensors(method, r), r) for r in ranks}
+
+
+def site_init(session: "Session", store: "ActivationStore", site: str) -> SiteInit:
+    """``site``'s :class:`SiteInit` on the session's device (its teacher layers and captured data)."""
+    teacher_site = session.placement.site_on_device(site)
+    return SiteInit(session.site_by_name[site], teacher_site, session.naming,
+                    session.site_data(store, site, teacher_site), session.weights, session.cfg.family,
+                    session.device, session.compute_dtype, session.amp, seed=session.tc.seed)
+
+
+def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tuple[adapters.AdapterSet, list, dict]:
+    """The initialisation phase: each site's best method at its rank (``init/site-<index>.safetensors`` as it
+    goes, ``init.safetensors`` at the end); returns (adapters, the per-site table, {site: chosen error})."""
+    init_file = session.work_dir / "init.safetensors"
+    if session.resume and init_file.exists():
+        aset = session.ordered(adapters.AdapterSet.load(init_file))
+        meta = aset.metadata["sdslim.init"]
+        return aset, meta["table"], {k: float(v) for k, v in meta["site_error"].items()}
+    t0 = time.perf_counter()
+    todo = session.owned_sites(ranks)
+    session.progress.start_stage("init", len(todo), unit="site")
+    for n, site in enumerate(todo):
+        path = _site_file(session, site)
+        if session.resume and path.exists():
+            session.progress.skip(n + 1)
+            continue
+        si = site_init(session, store, site)
+        tensors, chosen, errors = si.best(ranks[site], session.tc.init_methods)
+        s = session.site_by_name[site]
+        row = {"site": site, "kind": s.kind, "width": s.width, "rank": ranks[site], "errors": errors,
+               "chosen": chosen}
+        save_file_atomic({f"{site}/{k}": v for k, v in tensors.items()}, path, {"sdslim.init": {"row": finite(row)}})
+        del si
+        session.free_device_memory()
+        session.progress.skip(n + 1)
+    session.progress.end_stage()
+    session.timing["init_s"] = time.perf_counter() - t0
+    session.topo.barrier()
+    sites, groups, table, errs = {}, {}, [], {}
+    for site in session.site_order:
+        if site not in ranks:
+            continue
+        tensors, meta = load_file(_site_file(session, site))
+        row = json.loads(meta["sdslim.init"])["row"]
+        row["errors"] = {k: (float("inf") if v is None else v) for k, v in row["errors"].items()}
+        sites[site] = {k.split("/", 1)[1]: v for k, v in tensors.items()}
+        if session.site_by_name[site].kind == "res":
+            groups[site] = rank_policy.res_groups(session.site_by_name[site].width, ranks[site])
+        table.append(row)
+        errs[site] = row["errors"][row["chosen"]]
+    aset = adapters.AdapterSet(session.cfg.family, sites, groups)
+    aset.metadata["sdslim.init"] = {"table": finite(table), "site_error": errs}
+    if session.topo.main:
+        aset.save(init_file)
+    session.topo.barrier()
+    return aset, table, errs
+
+
+def _site_file(session: "Session", site: str):
+    return session.work_dir / "init" / f"site-{session.site_order.index(site):04d}.safetensors"

@@ -5,17 +5,37 @@ Res ranks are whole ``norm2`` groups and the adapter's norm keeps them (``rank_p
 """
 from __future__ import annotations
 
+import json
 import math
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
+from . import sensitivity
 from .. import layout
+from ..io.adapters import AdapterSet
 from ..layout import rank_policy
 from ..ops import fold
 from .config import TrainConfig, parse_budget
+from .init import site_init
+
+if TYPE_CHECKING:
+    from .calibration import ActivationStore, InputBank
+    from .session import Session
 
 
-def _count(shapes: Mapping[str, tuple]) -> int:
+def param_count(shapes: Mapping[str, tuple]) -> int:
+    """Parameters of tensors with these shapes."""
     return sum(math.prod(s) for s in shapes.values())
+
+
+def adapter_param_count(site_list, ranks: dict) -> int:
+    """Trainable adapter parameters of the sites in ``site_list`` at ``ranks``."""
+    n = 0
+    for s in site_list:
+        r = ranks.get(s.name)
+        if r is None:
+            continue
+        n += 3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r
+    return n
 
 
 def site_keys(shapes: Mapping[str, tuple], site: str) -> dict:
@@ -25,12 +45,12 @@ def site_keys(shapes: Mapping[str, tuple], site: str) -> dict:
 def params_per_rank(shapes: Mapping[str, tuple], site: layout.Site) -> int:
     """Slim UNet parameters added per unit of rank at ``site`` (the slim count is linear in r)."""
     own = site_keys(shapes, site.name)
-    return _count(fold.slim_shapes(own, {site.name: 2})) - _count(fold.slim_shapes(own, {site.name: 1}))
+    return param_count(fold.slim_shapes(own, {site.name: 2})) - param_count(fold.slim_shapes(own, {site.name: 1}))
 
 
 def slim_param_count(shapes: Mapping[str, tuple], ranks: Mapping[str, int]) -> int:
     """Parameters of the whole slim UNet (canonical shapes of the original, ranks per slimmed site)."""
-    return _count(fold.slim_shapes(shapes, ranks))
+    return param_count(fold.slim_shapes(shapes, ranks))
 
 
 def ratio_ranks(site_list: Iterable[layout.Site], tc: TrainConfig) -> dict[str, int]:
@@ -81,7 +101,7 @@ def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curv
     """
     site_list = [s for s in site_list if s.name in curves]
     if per_rank is None:
-        full = _count(shapes)
+        full = param_count(shapes)
         per_rank = {s.name: params_per_rank(shapes, s) for s in site_list}
     ladder, cost = {}, {}
     for s in site_list:
@@ -114,4 +134,63 @@ def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curv
             f"min_{unit}": floor, "predicted_cost_sum": sum(cost[n][ladder[n][pos[n]]] for n in pos)}
     if unit != "params":
         info["slim_params"] = slim_param_count(shapes, ranks)
+    return ranks, info
+
+
+def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore") -> tuple[dict, dict]:
+    """Ranks per site: explicit (``--uniform``, per-kind values) or allocated under the parameter budget
+    (``--budget``, or the parameters of uniform ``--ratio``) from measured cost-vs-rank curves (one
+    ``init/curve-<index>.json`` per site, kept for a resumed run); returns (ranks, allocation info)."""
+    tc, site_list = session.tc, session.site_list
+    if not tc.allocates():
+        return ratio_ranks(site_list, tc), {}
+    fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
+    grids = {s.name: rank_grid(s, fractions) for s in site_list}
+    method = tc.init_methods[0]
+    ids = sensitivity.probe_ids(bank, tc.alloc_inputs, tc.seed)
+    local = {}
+    todo = session.owned_sites([s for s in session.site_order if grids[s]])
+    session.progress.start_stage("rank curves", len(todo), unit="site")
+    for site in todo:
+        path = session.work_dir / "init" / f"curve-{session.site_order.index(site):04d}.json"
+        if session.resume and path.exists():
+            curve = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        else:
+            si = site_init(session, store, site)
+            if tc.allocation == "site":
+                curve = {r: e * e for r, e in si.curve(grids[site], method).items()}
+            else:
+                teacher = session.placement.on_device()
+                curve = {}
+                for r in grids[site]:
+                    one = AdapterSet(session.cfg.family, {site: si.tensors(method, r)},
+                                     {site: rank_policy.res_groups(si.site.width, r)} if si.site.kind == "res"
+                                     else {})
+                    curve[r] = sensitivity.e2e_error(teacher, one, bank, ids, session.device,
+                                                     session.compute_dtype, session.amp) ** 2
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(curve))
+            tmp.replace(path)
+            del si
+            session.free_device_memory()
+        local[site] = curve
+        session.progress.skip(len(local))
+    session.progress.end_stage()
+    session.placement.release()
+    curves = session.gather(local)
+    if tc.budget_by == "flops":
+        full, per_rank = sensitivity.flops_per_rank(session.placement.on_device(), session.cfg, site_list, bank,
+                                                    session.device, session.compute_dtype, session.amp)
+        session.placement.release()
+        budget = uniform_total(site_list, tc.ratio, full, per_rank)
+        ranks, info = allocate(site_list, session.shapes, curves, budget, per_rank, full, "flops")
+    else:
+        budget = budget_params(tc, site_list, session.shapes)
+        ranks, info = allocate(site_list, session.shapes, curves, budget)
+    unit = info["unit"]
+    info.update(allocation=tc.allocation, method=method,
+                curves={s: {str(r): e for r, e in c.items()} for s, c in curves.items()})
+    what = f"budget {tc.budget}" if tc.budget is not None else f"the {unit} of uniform ratio {tc.ratio}"
+    session.say(f"{what}: {info[f'slim_{unit}'] / 1e6:.2f}M of {budget / 1e6:.2f}M {unit} used, "
+                f"{len(ranks)} sites slimmed (allocated by {tc.allocation} error)")
     return ranks, info

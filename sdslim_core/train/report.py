@@ -7,6 +7,8 @@ from pathlib import Path
 
 from .. import optional
 
+TRAIN_META_VERSION = 1   # of the work dir's fingerprint and of the adapter file's sdslim.train metadata
+
 
 @dataclasses.dataclass
 class TrainReport:
@@ -28,7 +30,7 @@ class TrainReport:
     work_dir: str = ""
 
     def to_dict(self) -> dict:
-        return _finite(dataclasses.asdict(self))
+        return finite(dataclasses.asdict(self))
 
     def init_summary(self) -> dict:
         """Per method: mean error over sites and how many sites it won."""
@@ -97,13 +99,14 @@ def _mean(d: dict) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def _finite(obj):
+def finite(obj):
+    """``obj`` with every non-finite float replaced by None (JSON has no inf/nan)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj
 
 
@@ -121,7 +124,7 @@ def plot_site_errors(report: TrainReport, path) -> Path:
         vals = [report.site_error[stage].get(s, math.nan) for s in sites]
         ax.bar([i + (j - (len(stages) - 1) / 2) * width for i in range(len(sites))], vals, width, label=stage)
     ax.set_xticks(range(len(sites)))
-    ax.set_xticklabels([_short(s) + f" r{report.ranks[s]}" for s in sites], rotation=90, fontsize=6)
+    ax.set_xticklabels([short_site(s) + f" r{report.ranks[s]}" for s in sites], rotation=90, fontsize=6)
     ax.set_ylabel("relative error (held-out)")
     title = f"sdslim train ({report.family}): per-site error"
     if report.unet_error:
@@ -138,6 +141,28 @@ def plot_site_errors(report: TrainReport, path) -> Path:
     return path
 
 
-def _short(site: str) -> str:
+def short_site(site: str) -> str:
+    """A site name short enough for a plot label or a progress bar."""
     return (site.replace("input_blocks.", "in").replace("output_blocks.", "out").replace("middle_block.", "mid")
             .replace(".transformer_blocks.", ".tb").replace(".ff", ".ff"))
+
+
+def train_metadata(report: TrainReport, session, site_err: dict, table: list) -> dict:
+    """The ``sdslim.train`` metadata of the adapter file a run writes (JSON-safe)."""
+    tc = session.tc
+    return finite({
+        "version": TRAIN_META_VERSION,
+        "data": report.calibration,
+        "steps": report.steps,
+        "site_error": site_err,
+        "site_error_init": report.site_error.get("init", {}),
+        "site_error_stage1": report.site_error.get("stage1", {}),
+        "unet_error": report.unet_error,
+        "init_method": {row["site"]: row["chosen"] for row in table},
+        "ranks": {"ratio": tc.ratio, "ff_ratio": tc.ff_ratio, "ff_rank": tc.ff_rank, "res_ratio": tc.res_ratio,
+                  "budget": tc.budget, **({"budget_info": report.budget} if report.budget else {})},
+        "config": tc.run_fields(),
+        "optimizer": session.optimizer_name,
+        "device": str(session.device),
+        "processes": session.topo.world,
+    })

@@ -190,3 +190,18 @@ class SiteData:
                 y = call_site(student, self.kind, x, emb).float()
             num += float((y - self.eval_y[i:i + self.batch].to(device, torch.float32)).double().pow(2).sum())
         return rel_err(num, self.eval_den)
+
+
+def site_errors(session, store, aset: AdapterSet) -> dict:
+    """Held-out error of each of ``aset``'s sites on its own (all processes' sites, gathered)."""
+    local = {}
+    for site in session.owned_sites(aset.sites):
+        teacher_site = session.placement.site_on_device(site)
+        data = session.site_data(store, site, teacher_site)
+        adapter = make_site_adapter(site, aset.kind(site), aset.sites[site], aset.groups(site),
+                                    session.norm_eps(site)).to(session.device)
+        student = build_student(teacher_site, aset.kind(site), session.naming, adapter)
+        local[site] = data.eval_error(student, session.device, session.compute_dtype, session.amp)
+        del data, student, adapter
+    session.free_device_memory()
+    return session.gather(local)

@@ -35,12 +35,12 @@ def batch_ids(n: int, bs: int, step: int, keys: tuple) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def done_path(run, index: int):
-    return run.work_dir / "stage1" / f"site-{index:04d}.safetensors"
+def done_path(session, index: int):
+    return session.work_dir / "stage1" / f"site-{index:04d}.safetensors"
 
 
-def read_done(run, index: int, site: str):
-    path = done_path(run, index)
+def read_done(session, index: int, site: str):
+    path = done_path(session, index)
     if not path.exists():
         return None
     tensors, meta = load_file(path)
@@ -51,23 +51,23 @@ def read_done(run, index: int, site: str):
     return {k.split("/", 1)[1]: v for k, v in tensors.items()}, info
 
 
-def fit_site(run, loop: FitLoop, aset: AdapterSet, site: str, i: int, offset: int,
+def fit_site(session, store, loop: FitLoop, aset: AdapterSet, site: str, i: int, offset: int,
              resume: tuple | None) -> tuple[dict, float]:
     """Train site ``site`` (index ``i`` in the UNet); returns (best tensors, their held-out error)."""
-    tc = run.tc
+    tc = session.tc
     kind = aset.kind(site)
-    teacher_site = run.placement.site_on_device(site)
-    data = run.site_data(site, teacher_site)
+    teacher_site = session.placement.site_on_device(site)
+    data = session.site_data(store, site, teacher_site)
     adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
-                                run.norm_eps(site)).to(run.device)
-    student = build_student(teacher_site, kind, run.naming, adapter)
-    opt = run.make_optimizer(list(adapter.parameters()), tc.lr1)
+                                session.norm_eps(site)).to(session.device)
+    student = build_student(teacher_site, kind, session.naming, adapter)
+    opt = session.make_optimizer(list(adapter.parameters()), tc.lr1)
     bs = tc.ff_batch_tokens if kind == "ff" else tc.res_batch
 
     def step(s):
         ids = batch_ids(data.n_fit(), bs, s, (tc.seed, 61, i))
-        x, emb, y = data.fit_batch(ids, run.device, run.compute_dtype)
-        with run.amp():
+        x, emb, y = data.fit_batch(ids, session.device, session.compute_dtype)
+        with session.amp():
             out = call_site(student, kind, x, emb)
         loss = F.mse_loss(out.float(), y) / data.fit_scale
         loss.backward()
@@ -77,52 +77,52 @@ def fit_site(run, loop: FitLoop, aset: AdapterSet, site: str, i: int, offset: in
         return {"stage": 1, "site": site, "site_step": n, "cursor": {"site": site, "step": n}}
 
     def evaluate():
-        return data.eval_error(student, run.device, run.compute_dtype, run.amp)
+        return data.eval_error(student, session.device, session.compute_dtype, session.amp)
 
     best, err, _ = loop.fit(dict(adapter.named_parameters()), opt, tc.stage1_steps, step, evaluate, state,
                             offset=offset, resume=resume)
     return best, err
 
 
-def run_stage1(run, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
+def run_stage1(session, store, aset: AdapterSet, errors_init: dict) -> tuple[dict, dict]:
     """Train this process's share of the sites; returns ({site: tensors}, {site: eval error}) for *all* sites
     (other processes' results are read from the work dir after a barrier)."""
-    tc = run.tc
-    names = [s for s in run.site_order if s in aset.sites]
-    index = {s: i for i, s in enumerate(run.site_order)}
-    owned = [s for s in names if run.topo.owns(index[s])]
+    tc = session.tc
+    names = [s for s in session.site_order if s in aset.sites]
+    index = {s: i for i, s in enumerate(session.site_order)}
+    owned = [s for s in names if session.topo.owns(index[s])]
     tensors_out, errors_out = {}, {}
-    prefix = f"s1-r{run.topo.rank}" if run.topo.distributed else "s1"
-    resume_state = checkpoint.latest(run.ckpt_dir, prefix) if run.resume else None
+    prefix = f"s1-r{session.topo.rank}" if session.topo.distributed else "s1"
+    resume_state = checkpoint.latest(session.ckpt_dir, prefix) if session.resume else None
     total_steps = tc.stage1_steps * len(owned)
-    run.progress.start_stage("stage 1", total_steps, unit="step")
-    loop = FitLoop(tc.lr1, tc.grad_clip, run.ckpt_dir, prefix, tc.checkpoint_every, tc.keep_checkpoints, run.progress)
+    session.progress.start_stage("stage 1", total_steps, unit="step")
+    loop = FitLoop(tc.lr1, tc.grad_clip, session.ckpt_dir, prefix, tc.checkpoint_every, tc.keep_checkpoints, session.progress)
     global_step = 0
     for site in owned:
         i = index[site]
-        done = read_done(run, i, site)
+        done = read_done(session, i, site)
         if done is not None:
             tensors_out[site], errors_out[site] = done[0], done[1]["error"]
             global_step += tc.stage1_steps
-            run.progress.skip(global_step)
+            session.progress.skip(global_step)
             continue
         resume = None
         if resume_state is not None and resume_state[1].get("site") == site:
             resume = (resume_state[0], resume_state[1], int(resume_state[1]["site_step"]))
-        tensors_out[site], err = fit_site(run, loop, aset, site, i, global_step, resume)
+        tensors_out[site], err = fit_site(session, store, loop, aset, site, i, global_step, resume)
         global_step += tc.stage1_steps
         errors_out[site] = err
-        save_file_atomic({f"{site}/{k}": v for k, v in tensors_out[site].items()}, done_path(run, i),
+        save_file_atomic({f"{site}/{k}": v for k, v in tensors_out[site].items()}, done_path(session, i),
                          {"sdslim.stage1": {"site": site, "error": err, "error_init": errors_init.get(site)}})
-        run.say(f"stage 1 {site}: error {errors_init.get(site, float('nan')):.4f} → {err:.4f}")
-        run.free_device_memory()
-    run.progress.end_stage()
-    run.timing["stage1_s_per_step"] = loop.s_per_step
-    run.topo.barrier()
+        session.say(f"stage 1 {site}: error {errors_init.get(site, float('nan')):.4f} → {err:.4f}")
+        session.free_device_memory()
+    session.progress.end_stage()
+    session.timing["stage1_s_per_step"] = loop.s_per_step
+    session.topo.barrier()
     for site in names:
         if site not in tensors_out:
-            done = read_done(run, index[site], site)
+            done = read_done(session, index[site], site)
             if done is None:
-                raise RuntimeError(f"stage 1 result of {site} missing in {run.work_dir / 'stage1'}")
+                raise RuntimeError(f"stage 1 result of {site} missing in {session.work_dir / 'stage1'}")
             tensors_out[site], errors_out[site] = done[0], done[1]["error"]
     return tensors_out, errors_out

@@ -27,6 +27,7 @@ from ..modules.layers import set_module
 from .augment import Augmenter
 from .calibration import InputBank, _gen, unet_call
 from .fit import FitLoop
+from .ranks import adapter_param_count, param_count
 from .sites import FeatureRecorder, gated_tree, set_gates
 from .stage1 import batch_ids
 
@@ -90,26 +91,26 @@ def split_groups(site_order: list, size: dict, n_groups: int) -> list[list[str]]
     return groups
 
 
-def build(run, aset: AdapterSet, group: list | None = None, done=()):
+def build(session, aset: AdapterSet, group: list | None = None, done=()):
     """The stage-2 module: ``group``'s sites (default all) gated between the teacher and trainable train-time
     adapters; the ``done`` sites (earlier groups) replaced by their folded students, whose teacher layers leave
     the device; every other site is the teacher."""
     # a "mixed" teacher has earlier groups' layers off the device already: keep them there
-    teacher = run.placement.as_placed()
-    group = [s for s in run.site_order if s in aset.sites] if group is None else list(group)
-    done = [s for s in run.site_order if s in set(done)]
+    teacher = session.placement.as_placed()
+    group = [s for s in session.site_order if s in aset.sites] if group is None else list(group)
+    done = [s for s in session.site_order if s in set(done)]
     slim = None
     if done:
         done_set = subset(aset, done)
         slim = swap.slim_module(teacher, done_set)
-    tree, adapters, gates = gated_tree(teacher, subset(aset, group), run.cfg)
+    tree, adapters, gates = gated_tree(teacher, subset(aset, group), session.cfg)
     for a in adapters.values():
-        a.to(run.device)
+        a.to(session.device)
     for site in done:
-        path = swap.site_path(teacher, site, run.cfg)
-        run.placement.offload_site(site)
+        path = swap.site_path(teacher, site, session.cfg)
+        session.placement.offload_site(site)
         # after the offload: layers the folded site shares with the teacher (norm1, skip) come back to the device
-        set_module(tree, path, slim.get_submodule(path).to(run.device))
+        set_module(tree, path, slim.get_submodule(path).to(session.device))
     tree.requires_grad_(False)
     for a in adapters.values():
         a.requires_grad_(True)
@@ -118,21 +119,21 @@ def build(run, aset: AdapterSet, group: list | None = None, done=()):
 
 
 @torch.no_grad()
-def measure(run, aset: AdapterSet, bank: InputBank) -> float:
+def measure(session, aset: AdapterSet, bank: InputBank) -> float:
     """All-student UNet error in the folded (slim) form: no adapter tensors on the device."""
-    teacher = run.placement.on_device()
+    teacher = session.placement.on_device()
     slim = swap.slim_module(teacher, aset).eval()
     ids = bank.eval_ids()
     num = den = 0.0
     for i in range(0, ids.numel(), 8):
         b = ids[i:i + 8]
-        with run.amp():
-            out = unet_call(slim, bank.batch(b, run.device, run.compute_dtype)).float()
-        ref = bank.eps[b].to(run.device)
+        with session.amp():
+            out = unet_call(slim, bank.batch(b, session.device, session.compute_dtype)).float()
+        ref = bank.eps[b].to(session.device)
         num += float((out - ref).double().pow(2).sum())
         den += float(ref.double().pow(2).sum())
     del slim
-    run.free_device_memory()
+    session.free_device_memory()
     return (num / max(den, 1e-30)) ** 0.5
 
 
@@ -149,32 +150,50 @@ def auto_groups(teacher_bytes: int, adapter_params: int, optimizer: str, total_b
     return max(1, min(n_sites, math.ceil(adapter_params * per / avail)))
 
 
+def resolve_groups(session, ranks: dict) -> int:
+    """``stage2_groups``, with ``auto`` = the fewest groups whose adapters, gradients, optimizer states and
+    bf16 copies fit next to the fp16 teacher and a 1.5 GiB margin (activations of the checkpointed UNet at
+    batch 1, CUDA context, allocator slack) in 92% of the GPU's memory (finished groups run folded, their
+    teacher layers off the device, so the teacher is the most the other sites ever take)."""
+    tc, device = session.tc, session.device
+    if tc.stage2_groups != "auto":
+        return int(tc.stage2_groups)
+    if device.type != "cuda":
+        return 1
+    total = torch.cuda.get_device_properties(device).total_memory
+    teacher = param_count(session.shapes) * torch.finfo(session.teacher_dtype).bits // 8
+    g = auto_groups(teacher, adapter_param_count(session.site_list, ranks), session.optimizer_name, total, len(ranks))
+    if g == len(ranks) and g > 1:
+        session.say("stage 2: the teacher nearly fills this GPU; training one site at a time")
+    return g
+
+
 def phase_steps(total: int, n_groups: int) -> list[int]:
     return [total // n_groups + (1 if i < total % n_groups else 0) for i in range(n_groups)]
 
 
-def group_path(run, g: int):
-    return run.work_dir / "stage2" / f"group-{g:03d}.safetensors"
+def group_path(session, g: int):
+    return session.work_dir / "stage2" / f"group-{g:03d}.safetensors"
 
 
-def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: list, g: int, offset: int, total: int,
+def fit_group(session, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: list, g: int, offset: int, total: int,
               got: tuple | None) -> tuple[dict, float, float]:
     """Train group ``g`` of ``groups`` (``aset``: the current tensors of all sites) for stage steps
     [``offset``, ``offset + total``); returns ({site: best tensors} of the group, their error, the error before)."""
-    tc = run.tc
+    tc = session.tc
     group = groups[g]
     done_sites = [s for gg in groups[:g] for s in gg]
-    tree, adapters, gates = build(run, aset, group, done_sites)
+    tree, adapters, gates = build(session, aset, group, done_sites)
     params = [p for s in group for p in adapters[s].parameters()]
     named = {f"{s}/{n}": p for s in group for n, p in adapters[s].named_parameters()}
-    if run.grad_ckpt and hasattr(tree, "enable_gradient_checkpointing"):
+    if session.grad_ckpt and hasattr(tree, "enable_gradient_checkpointing"):
         tree.enable_gradient_checkpointing()
     feature = None
     if tc.feature_loss:
         feature = FeatureRecorder()
         for site in group:
             gates[site].feature = feature
-    opt = run.make_optimizer(params, tc.lr2)
+    opt = session.make_optimizer(params, tc.lr2)
     resume = None
     if got is not None and got[1].get("phase", 0) == g:
         resume = (got[0], got[1], int(got[1]["step"]) - offset)
@@ -182,9 +201,9 @@ def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: lis
     pairs = bank.cfg_pairs(fit) if tc.guided_loss and tc.guidance != 1.0 else torch.empty(0, 2)
     aug = None
     if len(groups) == 1 and (tc.control_prob or tc.lora_prob):     # the gates-off tree must be the teacher
-        aug = Augmenter(run.placement.on_device(), bank, group, run.cfg, tc.seed, tc.control_prob, tc.lora_prob,
-                        tc.lora_scale, device=run.device, dtype=run.compute_dtype, amp=run.amp)
-    world, rank = run.topo.world, run.topo.rank
+        aug = Augmenter(session.placement.on_device(), bank, group, session.cfg, tc.seed, tc.control_prob, tc.lora_prob,
+                        tc.lora_scale, device=session.device, dtype=session.compute_dtype, amp=session.amp)
+    world, rank = session.topo.world, session.topo.rank
     gbs = tc.stage2_batch * world
 
     def step(i):
@@ -201,21 +220,21 @@ def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: lis
         else:
             rows = fit[batch_ids(fit.numel(), gbs, gstep, (tc.seed, 72))]
             mine = rows[rank * tc.stage2_batch:(rank + 1) * tc.stage2_batch] if world > 1 else rows
-        inputs = bank.batch(mine, run.device, run.compute_dtype)
+        inputs = bank.batch(mine, session.device, session.compute_dtype)
         control, perturb = aug.draw(gstep) if aug is not None else (False, False)
         with aug.weight_deltas(gstep) if perturb else contextlib.nullcontext():
             if control:
-                inputs.update(aug.residuals(gstep, mine.numel(), run.device, run.compute_dtype))
+                inputs.update(aug.residuals(gstep, mine.numel(), session.device, session.compute_dtype))
             if control or perturb:
                 set_gates(gates, False)
-                with torch.no_grad(), run.amp():
+                with torch.no_grad(), session.amp():
                     target = unet_call(tree, inputs).float()
             else:
-                target = bank.eps[mine].to(run.device)
+                target = bank.eps[mine].to(session.device)
             set_gates(gates, decisions)
             if feature is not None:
                 feature.start()
-            with run.amp():
+            with session.amp():
                 out = unet_call(tree, inputs)
             loss = normalised_mse(out.float(), target)
             if len(pairs):
@@ -228,7 +247,7 @@ def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: lis
                     loss = loss + tc.feature_loss * torch.stack(losses).mean()
                 feature.pairs = []
             loss.backward()
-        run.topo.all_reduce_mean_([q.grad for q in params if q.grad is not None])
+        session.topo.all_reduce_mean_([q.grad for q in params if q.grad is not None])
         return {"stage": 2, "loss": float(loss.detach()), "p": round(p, 3)}
 
     def state(done):
@@ -237,13 +256,13 @@ def fit_group(run, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: lis
                 "cursor": {"phase": g, "step": gdone, "p": p_replace(done - 1, total, tc.p0, tc.p_full_at)}}
 
     def evaluate():
-        return unet_error(tree, gates, bank, bank.eval_ids(), run.device, run.compute_dtype, run.amp)
+        return unet_error(tree, gates, bank, bank.eval_ids(), session.device, session.compute_dtype, session.amp)
 
     best, err, before = loop.fit(named, opt, total, step, evaluate, state, offset=offset, resume=resume)
     return {s: {n: best[f"{s}/{n}"].clone() for n in adapters[s].tensors()} for s in group}, err, before
 
 
-def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, float]:
+def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int, shown: int = 0) -> tuple[dict, float, float]:
     """Returns ({site: tensors}, UNet error before, UNet error after) (errors on the eval split).
 
     With ``stage2_groups`` G > 1 (memory: only one group's adapters and optimizer state live at a time) the sites
@@ -252,21 +271,21 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
     device), later groups stay teacher. Early stopping in a group measures the model as it stands (students up to
     this group); after the last group that is the all-student UNet.
     """
-    tc = run.tc
+    tc = session.tc
     sizes = {s: sum(v.numel() for v in t.values()) for s, t in aset.sites.items()}
-    groups = split_groups(run.site_order, sizes, run.stage2_groups)
+    groups = split_groups(session.site_order, sizes, n_groups)
     steps = phase_steps(tc.stage2_steps, len(groups))
     offsets = [sum(steps[:g]) for g in range(len(groups))]
     current = {s: dict(t) for s, t in aset.sites.items()}
-    got = checkpoint.latest(run.ckpt_dir, "s2") if run.resume else None
+    got = checkpoint.latest(session.ckpt_dir, "s2") if session.resume else None
     before_all = None
     after = None
-    run.progress.start_stage("stage 2", tc.stage2_steps, unit="step")
-    loop = FitLoop(tc.lr2, tc.grad_clip, run.ckpt_dir, "s2", tc.checkpoint_every, tc.keep_checkpoints, run.progress,
-                   shown=run.stage1_total, save=run.topo.main, save_last=True)
+    session.progress.start_stage("stage 2", tc.stage2_steps, unit="step")
+    loop = FitLoop(tc.lr2, tc.grad_clip, session.ckpt_dir, "s2", tc.checkpoint_every, tc.keep_checkpoints, session.progress,
+                   shown=shown, save=session.topo.main, save_last=True)
     for g, group in enumerate(groups):
-        path = group_path(run, g)
-        if run.resume and path.exists():
+        path = group_path(session, g)
+        if session.resume and path.exists():
             tensors, meta = load_file(path)
             info = json.loads(meta["sdslim.stage2"])
             for key, v in tensors.items():
@@ -274,20 +293,20 @@ def run_stage2(run, aset: AdapterSet, bank: InputBank) -> tuple[dict, float, flo
                 current[site][name] = v
             before_all = info["error_before"] if before_all is None else before_all
             after = info["best_error"]
-            run.progress.skip(offsets[g] + steps[g])
+            session.progress.skip(offsets[g] + steps[g])
             continue
-        tensors, best_err, before = fit_group(run, loop, AdapterSet(aset.family, current, aset.norm_groups), bank,
+        tensors, best_err, before = fit_group(session, loop, AdapterSet(aset.family, current, aset.norm_groups), bank,
                                               groups, g, offsets[g], steps[g], got)
         current.update(tensors)
         before_all = before if before_all is None else before_all
-        if run.topo.main:
+        if session.topo.main:
             save_file_atomic({f"{s}/{n}": v for s in group for n, v in current[s].items()}, path,
                              {"sdslim.stage2": {"group": g, "sites": group, "error_before": before,
                                                 "best_error": best_err}})
-        run.topo.barrier()
+        session.topo.barrier()
         after = best_err
-        run.free_device_memory()
-    run.progress.end_stage()
-    run.timing["stage2_s_per_step"] = loop.s_per_step
-    run.timing["stage2_groups"] = len(groups)
+        session.free_device_memory()
+    session.progress.end_stage()
+    session.timing["stage2_s_per_step"] = loop.s_per_step
+    session.timing["stage2_groups"] = len(groups)
     return current, before_all, after

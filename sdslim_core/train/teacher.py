@@ -1,14 +1,57 @@
-"""Where the frozen teacher UNet lives during a run: on the CPU, on the device, or mixed (the layers of finished
-stage-2 groups moved back to the CPU, their sites running folded)."""
+"""The teacher of a run: its weights from what the user passes (:func:`teacher_weights`), and where the frozen
+teacher UNet lives during the run: on the CPU, on the device, or mixed (the layers of finished stage-2 groups moved
+back to the CPU, their sites running folded)."""
 from __future__ import annotations
 
 import copy
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from .. import layout
 from ..modules import swap
+
+
+def _heads_from_diffusers(module) -> dict:
+    conf = getattr(module, "config", None)
+    if conf is None:
+        return {}
+    ahd = conf.get("attention_head_dim") if hasattr(conf, "get") else getattr(conf, "attention_head_dim", None)
+    widths = list(conf.get("block_out_channels", ()) if hasattr(conf, "get") else ())
+    if isinstance(ahd, int):
+        return {"num_heads": ahd}
+    if ahd and widths and len(ahd) == len(widths):
+        per = {w // h for w, h in zip(widths, ahd) if h and w % h == 0}
+        if len(per) == 1 and len(set(ahd)) > 1:
+            return {"num_head_channels": per.pop()}
+        if len(set(ahd)) == 1:
+            return {"num_heads": int(ahd[0])}
+    return {}
+
+
+def teacher_weights(unet, cfg: layout.UNetConfig | None = None) -> tuple[Mapping, layout.UNetConfig]:
+    """(canonical weights, UNetConfig) from a diffusers/LDM module, a state dict in any naming, or an
+    :class:`~sdslim_core.modules.unet.CheckpointUNet`."""
+    if hasattr(unet, "weights") and hasattr(unet, "config") and isinstance(getattr(unet, "config"),
+                                                                          layout.UNetConfig):
+        return unet.weights, cfg or unet.config
+    if isinstance(unet, nn.Module):
+        sd = {k: v.detach() for k, v in unet.state_dict().items()}
+        canon, naming, _ = layout.to_canonical(sd)
+        if cfg is None:
+            if naming == "diffusers":
+                heads = _heads_from_diffusers(unet)
+            else:
+                heads = {k: int(getattr(unet, k)) for k in ("num_heads", "num_head_channels")
+                         if isinstance(getattr(unet, k, None), int) and getattr(unet, k) > 0}
+            cfg = layout.config_from_state_dict(canon, heads)
+        return canon, cfg
+    if isinstance(unet, Mapping):
+        canon, _, _ = layout.to_canonical(unet)
+        return canon, cfg or layout.config_from_state_dict(canon)
+    raise TypeError(f"cannot train from a {type(unet).__name__}: pass a UNet module, a state dict or an "
+                    "opened checkpoint")
 
 
 def free_device_memory(device: torch.device):

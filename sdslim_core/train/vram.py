@@ -13,27 +13,16 @@ Two sources:
 """
 from __future__ import annotations
 
+import importlib
 import json
-import math
 import os
+
+from .ranks import adapter_param_count, param_count
+from .stage2 import split_groups
 
 GIB = 2 ** 30
 _ENV = "SDSLIM_TRAIN_ESTIMATE_RANKS"
 CALIBRATION_BATCH = 8     # 4 trajectories × (cond + uncond) per teacher call
-
-
-def _count(shapes) -> int:
-    return sum(math.prod(s) for s in shapes.values())
-
-
-def adapter_param_count(site_list, ranks: dict) -> int:
-    n = 0
-    for s in site_list:
-        r = ranks.get(s.name)
-        if r is None:
-            continue
-        n += 3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r
-    return n
 
 
 def optimizer_bytes_per_param(optimizer: str) -> float:
@@ -48,7 +37,7 @@ def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_byt
     unet = build_diffusers_unet(cfg, device="meta")
     canon, _, _ = layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})
     site_list = layout.sites(canon)
-    n_teacher = _count(canon)
+    n_teacher = param_count(canon)
     n_adapt = adapter_param_count(site_list, ranks)
     ob = optimizer_bytes_per_param(optimizer)
     teacher = n_teacher * teacher_bytes
@@ -60,7 +49,7 @@ def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_byt
         if r is None:
             continue
         own = {k: v for k, v in canon.items() if k.startswith(s.name + ".")}
-        layers = _count(own) * teacher_bytes
+        layers = param_count(own) * teacher_bytes
         a = (3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r) * (4 + 4 + ob)
         if s.kind == "ff":
             tokens = tc.ff_batch_tokens
@@ -230,3 +219,25 @@ def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: b
                           f"{s2:.2f} GiB (teacher {a['teacher_gib']:.2f} + adapters/grads/optimizer "
                           f"{s2 - a['teacher_gib']:.2f}), stage 1 {a['stage1_gib']:.2f} GiB")
     return result
+
+
+def predict_for(session, ranks: dict, stage2_groups: int) -> dict:
+    """:func:`predict` for a run's session at ``ranks`` with stage 2 in ``stage2_groups`` groups (the estimator
+    runs when it imports; said on the session's log)."""
+    tc, device = session.tc, session.device
+    opt = session.optimizer_name if device.type == "cuda" else ("adamw8bit" if tc.optimizer == "adamw8bit" else "adamw")
+    try:
+        importlib.import_module("sdslim_core.vram.estimate")
+        use = True
+    except ImportError:
+        use = False
+    sizes = {s.name: adapter_param_count([s], ranks) for s in session.site_list if s.name in ranks}
+    groups = split_groups(session.site_order, sizes, stage2_groups)
+    train_sites = max(groups, key=lambda g: sum(sizes[s] for s in g))
+    if use:
+        session.say("predicting peak VRAM (the VRAM estimator runs the training step on fake tensors, ~1 min)…")
+    info = predict(session.cfg, ranks, tc, session.latent_size, opt,
+                   grad_ckpt=session.grad_ckpt or device.type != "cuda", use_estimator=use,
+                   train_sites=train_sites if len(groups) > 1 else None)
+    session.say("VRAM: " + info["text"])
+    return info

@@ -3,7 +3,7 @@
 - planner: the form becomes ``sdslim vram estimate`` arguments, parsed by the CLI's parser and run by its
   ``estimate_results`` (a worker process) in a background thread per browser session, cancellable,
   cached per setting; the JSON shown is the one ``--json`` prints;
-- breakdown: ``cli.breakdown.breakdown_result`` (the ``sdslim breakdown --json`` object);
+- breakdown: ``apps.breakdown.breakdown_result`` (the ``sdslim breakdown --json`` object);
 - slim: ``slim.slim_checkpoint`` with the CLI's summary and error messages;
 - compare: ``evaluate.evaluate`` (``sdslim eval``) and its side-by-side PNG.
 
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from ..cli import USER_ERRORS, error_text
 from ..io.files import GIB
-from ..vram.settings import ARCHS, ATTENTIONS, LORA_KINDS, OPTIMIZERS, PRECISIONS
+from ..vram.settings import ARCHS, ATTENTIONS, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings
 from .paths import Roots
 
 TASKS = ("sampling", "full fine-tune", "LoRA")
@@ -32,23 +32,19 @@ _POINT_LINE = re.compile(r":\s*B=(\d+) peak")
 
 # ------------------------------------------------------------------------------------------------ planner
 
-@dataclasses.dataclass
-class PlanForm:
-    """The planner's inputs (defaults: the seed study's baseline)."""
-    source: str = "family"  # "family" | "checkpoint"
-    arch: str = "sd15"
-    ckpt: str = ""
-    task: str = "full fine-tune"
-    batch_sizes: str = "1,2,4,8"
-    resolution: int = 768
-    precision: str = "amp-bf16"
-    optimizer: str = "adamw"
-    grad_ckpt: bool = False
-    attention: str = "sdpa"
-    lora_rank: int = 16
-    lora_kind: str = "lora"
-    resident_te_vae: bool = False
-    slim_ratio: float = 0.0
+# The planner's inputs: a ``sdslim vram estimate`` setting's fields, whose defaults (the seed study's baseline) come
+# from :class:`~sdslim_core.vram.settings.Settings`, plus where the model comes from, the task, the batch sizes and
+# the LoRA rank offered when the task is LoRA.
+_SETTING_FIELDS = ("arch", "resolution", "precision", "optimizer", "grad_ckpt", "attention", "lora_kind",
+                   "resident_te_vae", "slim_ratio")
+PlanForm = dataclasses.make_dataclass("PlanForm", [
+    ("source", str, dataclasses.field(default="family")),      # "family" | "checkpoint"
+    ("ckpt", str, dataclasses.field(default="")),
+    ("task", str, dataclasses.field(default="full fine-tune")),
+    ("batch_sizes", str, dataclasses.field(default="1,2,4,8")),
+    ("lora_rank", int, dataclasses.field(default=16)),
+] + [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(Settings)
+     if f.name in _SETTING_FIELDS])
 
 
 def _choice(value, allowed, what):
@@ -284,7 +280,7 @@ def gpu_memory() -> tuple[float | None, str]:
 
 def breakdown_view(roots: Roots, source: str, arch: str, ckpt: str, mode: str, ratio: float | None):
     """(the ``sdslim breakdown --json`` object, markdown table, bar chart) for a family or a checkpoint."""
-    from ..cli.breakdown import breakdown_result
+    from ..apps.breakdown import breakdown_result
     from ..ops.breakdown import ROWS, table_rows
     _choice(mode, ("exact", "seed"), "mode")
     ratio = float(ratio) if ratio else None

@@ -62,6 +62,11 @@ def build_app(roots: Roots, planner: Planner | None = None):
             slots += [path, strength]
         return slots
 
+    def slim_inputs(prefix, ckpt_label, adapters_label):
+        """A tab's checkpoint, adapter file and LoRA slots (the inputs of a fold): (ckpt, adapters, loras)."""
+        return file_picker(ckpt_label, f"{prefix}-ckpt"), file_picker(adapters_label, f"{prefix}-adapters"), \
+            lora_slots(prefix)
+
     def pairs(values):
         return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
@@ -135,9 +140,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
             with gr.Tab("Slim", id="slim", elem_id="tab-slim"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=360):
-                        s_ckpt = file_picker("checkpoint", "slim-ckpt")
-                        s_adapters = file_picker("adapter file (sdslim train)", "slim-adapters")
-                        s_loras = lora_slots("slim")
+                        s_ckpt, s_adapters, s_loras = slim_inputs("slim", "checkpoint", "adapter file (sdslim train)")
                         s_select = gr.Slider(0.05, 1.0, 1.0, step=0.05, elem_id="slim-select",
                                              label="fraction of sites to fold (lowest training error first)")
                         s_folder = gr.Dropdown(roots.folder_choices(), value=roots.folders[0], label="output folder",
@@ -158,9 +161,8 @@ def build_app(roots: Roots, planner: Planner | None = None):
             with gr.Tab("Compare", id="compare", elem_id="tab-compare"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=360):
-                        c_ckpt = file_picker("original checkpoint (the teacher)", "cmp-ckpt")
-                        c_adapters = file_picker("adapter file", "cmp-adapters")
-                        c_loras = lora_slots("cmp")
+                        c_ckpt, c_adapters, c_loras = slim_inputs("cmp", "original checkpoint (the teacher)",
+                                                                  "adapter file")
                         c_seeds = gr.Slider(1, 8, 2, step=1, label="seeds", elem_id="cmp-seeds")
                         c_steps = gr.Slider(1, 100, 20, step=1, label="sampling steps", elem_id="cmp-steps")
                         c_prompt = gr.Textbox("", label="prompt (only for a text encoder that runs offline, "
@@ -212,8 +214,10 @@ def build_app(roots: Roots, planner: Planner | None = None):
 
         def on_plan(source, arch, ckpt, task, batches, res, prec, opt, gc, attn, rank, kind, resident, slim, gpu,
                     request: gr.Request, progress=gr.Progress()):
-            form = PlanForm(source, arch, ckpt or "", task, batches, int(res or 0), prec, opt, gc, attn,
-                            int(rank or 0), kind, resident, float(slim or 0))
+            form = PlanForm(source=source, arch=arch, ckpt=ckpt or "", task=task, batch_sizes=batches,
+                            resolution=int(res or 0), precision=prec, optimizer=opt, grad_ckpt=gc, attention=attn,
+                            lora_rank=int(rank or 0), lora_kind=kind, resident_te_vae=resident,
+                            slim_ratio=float(slim or 0))
             try:
                 argv = actions.estimate_argv(form, roots)
                 hit = planner.cached(argv)

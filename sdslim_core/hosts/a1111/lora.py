@@ -3,14 +3,14 @@ in slim space; and the weights of a layer as they are without any network. No we
 of the extension's objects are read (names recorded from v1.10.1 in tests/data/a1111_v1.10.1_signatures.json).
 
 The extension's ΔW of a layer is ``calc_scale() · multiplier() · ΔW_format`` and its bias delta
-``multiplier() · diff_b``; :func:`module_of` returns the format part as a :class:`~sdslim_core.ops.lora.LoraModule` of
-scale 1 with those two strengths, which :meth:`sdslim_core.hosts.a1111.swap.LiveSlim.apply_loras` converts and adds.
+``multiplier() · diff_b``; :func:`module_of` returns the format part as a :class:`~sdslim_core.io.lora_files.LoraModule` of
+scale 1 with those two strengths, which :meth:`sdslim_core.modules.live_slim.LiveSlim.apply_loras` converts and adds.
 """
 from __future__ import annotations
 
 import torch
 
-from ...ops.lora import LoraModule
+from ...io.lora_files import LoraModule
 
 _ATTRIBUTES = {                       # class name → (core kind, {core role: attribute of the module})
     "NetworkModuleLora": ("lora", {"up": "up_model", "down": "down_model", "mid": "mid_model"}),

@@ -1,10 +1,10 @@
-"""sdslim_core.hosts.a1111.swap.LiveSlim on a real (tiny) LDM UNet, without any webui."""
+"""sdslim_core.modules.live_slim.LiveSlim on a real (tiny) LDM UNet, without any webui."""
 import pytest
 import torch
 
 from a1111_standin.harness import one_thread, tiny_unet, write_adapters  # noqa: F401 (fixture)
-from sdslim_core.hosts.a1111.swap import LiveSlim, SwapError
 from sdslim_core.io import adapters
+from sdslim_core.modules.live_slim import LiveSlim, SwapError
 from sdslim_core.ops import fold
 
 FF = "input_blocks.1.1.transformer_blocks.0.ff"
@@ -164,7 +164,7 @@ def test_close_restores_and_detaches(unet_and_adapters):
 
 
 def _lora_module(unet, path, seed, dora=False):
-    from sdslim_core.ops.lora import LoraModule
+    from sdslim_core.io.lora_files import LoraModule
     g = torch.Generator().manual_seed(seed)
     w = unet.get_submodule(path).weight
     t = {"up": torch.randn(w.shape[0], 3, *([1, 1] if w.ndim == 4 else []), generator=g, dtype=torch.float64),
@@ -208,7 +208,7 @@ def test_apply_loras_adds_the_converted_deltas_and_keeps_the_cache_pristine(unet
 
 
 def test_apply_loras_refuses_dora_on_a_folded_layer_before_changing_anything(unet_and_adapters):
-    from sdslim_core.ops.lora import LoraError
+    from sdslim_core.io.lora_files import LoraError
     unet, aset = unet_and_adapters
     first, fine, dora = (_lora_module(unet, f"{FF}.net.2", 1), _lora_module(unet, f"{FF}.net.0.proj", 2),
                          _lora_module(unet, f"{FF}.net.2", 3, dora=True))

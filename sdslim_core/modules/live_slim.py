@@ -24,13 +24,13 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
-from ... import layout
-from ...io.adapters import AdapterSet
-from ...modules import swap
-from ...modules.layers import LayerError, resize_like
-from ...ops import fold
-from ...ops.lora import apply_deltas, module_parts
-from ...ops.lora_slim import SlimSpace
+from . import swap
+from .. import layout
+from ..io.adapters import AdapterSet
+from ..ops import fold
+from ..ops.lora import apply_deltas, module_parts
+from ..ops.lora_slim import SlimSpace
+from .layers import LayerError, resize_like
 
 
 class SwapError(RuntimeError):

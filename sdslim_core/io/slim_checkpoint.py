@@ -1,0 +1,156 @@
+"""The slim checkpoint format: a checkpoint whose UNet sites are folded, marked ``sdslim.slim=1``, with its
+``sdslim.*`` metadata (family, norm groups, ranks, full-size UNet config, adapter and LoRA origin) and, by default,
+the folded sites' adapter tensors embedded under ``sdslim.adapters.`` (a namespace ComfyUI's and A1111's checkpoint
+loaders leave unused). Reading it: :func:`read_slim`, :func:`read_metadata`, :func:`slim_adapters`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import layout
+from .adapters import AdapterSet
+from .files import sha256_file
+from .tensors import FileFormatError, LazyStateDict, read_header
+
+SLIM_KEY = "sdslim.slim"
+ADAPTER_PREFIX = layout.SDSLIM_TENSORS + "adapters."   # embedded adapter tensors: ADAPTER_PREFIX + "<site>.<tensor>"
+ADAPTER_KEY = "sdslim.adapter_tensors"                # metadata: the prefix, present when the adapters are embedded
+
+
+class SlimError(ValueError):
+    """A slim checkpoint cannot be made or used as asked; the message says why (nothing was written)."""
+
+
+def slim_metadata(cfg: layout.UNetConfig, aset: AdapterSet, adapters_origin: dict, loras: list) -> dict:
+    """The ``sdslim.*`` metadata of a slim checkpoint."""
+    meta = {k: v for k, v in aset.metadata.items() if k.startswith("sdslim.")}
+    meta.update({
+        SLIM_KEY: "1",
+        "sdslim.version": "1",
+        "sdslim.family": aset.family,
+        "sdslim.norm_groups": {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"},
+        "sdslim.ranks": aset.ranks(),
+        layout.UNET_CONFIG_KEY: cfg.to_dict(),
+        "sdslim.adapters": adapters_origin,
+        "sdslim.loras": loras,
+    })
+    return meta
+
+
+def is_slim_checkpoint(ckpt) -> bool:
+    """Whether ``ckpt`` is a ``.safetensors`` file marked ``sdslim.slim=1`` (read from its header only)."""
+    path = Path(ckpt)
+    return path.is_file() and path.suffix.lower() == ".safetensors" and read_header(path)[1].get(SLIM_KEY) == "1"
+
+
+def site_reader(path, aset: AdapterSet, prefix: str = "") -> Callable[[str], dict]:
+    """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf.
+
+    The file is opened for each read and never held open (a reader may live as long as a host's model does), and
+    a file whose size or modification time changed since the reader was made is refused: its tensors may no longer
+    be the ones that were folded."""
+    path = Path(path)
+    stamp = _stamp(path)
+    checked: set[str] = set()
+
+    def read(site):
+        if _stamp(path) != stamp:
+            raise SlimError(f"{path}: gone or changed (size or modification time) since it was opened, so its "
+                            "adapter tensors may not be the ones that were folded; load it again")
+        lazy = LazyStateDict(path)
+        tensors = {n: lazy[f"{prefix}{site}.{n}"] for n in aset.sites[site]}
+        if site not in checked:
+            aset.check_values(site, tensors)
+            checked.add(site)
+        return tensors
+    return read
+
+
+def _stamp(path: Path) -> tuple:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict]]:
+    """(AdapterSet on ``meta``, site → tensors) of the adapters a slim checkpoint was folded with.
+
+    They come from the tensors embedded in the file; without them, from ``adapters`` (the adapter file), which must
+    have the sha256 the checkpoint records. Given both, the hash is still checked.
+    """
+    lazy, _, _, _, cfg, meta = read_slim(path)
+    origin = meta.get("sdslim.adapters") or {}
+    ranks = meta.get("sdslim.ranks") or {}
+    if adapters is not None:
+        if isinstance(adapters, AdapterSet):
+            raise SlimError("pass the adapter file's path, so its sha256 can be checked against the slim checkpoint")
+        want, have = origin.get("sha256"), sha256_file(adapters)
+        if want is None:
+            raise SlimError(f"{path}: records no sha256 of its adapter file, so {adapters} cannot be checked")
+        if want != have:
+            raise SlimError(f"{adapters}: sha256 {have[:12]}… is not the adapter file {path} was folded with "
+                            f"({origin.get('file')}, sha256 {want[:12]}…)")
+    prefix = meta.get(ADAPTER_KEY)
+    if prefix:
+        tensors = {k[len(prefix):]: torch.empty(shape, dtype=dtype, device="meta")
+                   for k, (dtype, shape) in lazy.entries.items() if k.startswith(prefix)}
+        aset = AdapterSet.from_state_dict(meta["sdslim.family"], tensors, meta.get("sdslim.norm_groups"),
+                                          source=f"{path} (embedded adapters)")
+        read_from = path
+    elif adapters is not None:
+        full = AdapterSet.load(adapters, lazy=True)
+        missing = sorted(set(ranks) - set(full.sites))
+        if missing:
+            raise SlimError(f"{adapters}: lacks sites {missing[:3]} that {path} folded")
+        aset = AdapterSet(full.family, {s: full.sites[s] for s in ranks},
+                          {s: g for s, g in full.norm_groups.items() if s in ranks}, full.metadata, full.source)
+        prefix, read_from = "", adapters
+    else:
+        raise SlimError(f"{path}: a slim checkpoint without embedded adapters (made with --no-embed-adapters); pass "
+                        f"--adapters with the adapter file it was folded with ({origin.get('file', '?')}"
+                        + (f", sha256 {origin['sha256'][:12]}…" if origin.get("sha256") else "") + ")")
+    if aset.ranks() != ranks:
+        raise SlimError(f"{aset.source}: adapter ranks do not match the ranks {path} records (sdslim.ranks)")
+    if aset.family != cfg.family:
+        raise SlimError(f"{aset.source}: adapters for {aset.family}, the checkpoint is {cfg.family}")
+    return aset, site_reader(read_from, aset, prefix)
+
+
+def read_slim(path) -> tuple[LazyStateDict, dict, str, str, layout.UNetConfig, dict]:
+    """(file, canonical key → file key, naming, prefix, full-size config, sdslim metadata) of a slim checkpoint."""
+    lazy = LazyStateDict(path)
+    meta = lazy.metadata
+    if meta.get(SLIM_KEY) != "1":
+        raise FileFormatError(f"{path}: not a slim checkpoint (no sdslim.slim=1 metadata); make one with "
+                              "`sdslim slim --ckpt ... --adapters ... --out ...`")
+    try:
+        raw = json.loads(meta[layout.UNET_CONFIG_KEY])
+        cfg = layout.UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    except (KeyError, TypeError, json.JSONDecodeError) as err:
+        raise FileFormatError(f"{path}: slim checkpoint without a readable {layout.UNET_CONFIG_KEY} ({err})") from None
+    prefix, naming = layout.strip_prefix(lazy.keys())
+    keys = [k for k in lazy.keys() if k.startswith(prefix) and not k.startswith(layout.SDSLIM_TENSORS)]
+    if naming == "ldm":
+        if not prefix:
+            keys = [k for k in keys if k.split(".", 1)[0] in layout.UNET_TOP_MODULES]
+        mapping = {k[len(prefix):]: k for k in keys}
+    else:
+        mapping = {layout.diffusers_to_canonical_key(cfg, k[len(prefix):]): k for k in keys}
+    sd_meta = {}
+    for k, v in meta.items():
+        if k.startswith("sdslim."):
+            try:
+                sd_meta[k] = json.loads(v)
+            except json.JSONDecodeError:
+                sd_meta[k] = v
+    return lazy, mapping, naming, prefix, cfg, sd_meta
+
+
+def read_metadata(path) -> dict:
+    """The ``sdslim.*`` metadata of a slim checkpoint, JSON values decoded (FileFormatError if it is not one)."""
+    return read_slim(path)[5]

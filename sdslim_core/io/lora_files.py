@@ -376,3 +376,14 @@ def _format_name(mod: LoraModule) -> str:
         base = "locon" if t["down"].ndim == 4 and t["down"].shape[2:] != (1, 1) or "mid" in t else "lora"
         return base + ("+dora" if mod.dora is not None else "")
     return mod.kind + ("+dora" if mod.dora is not None else "")
+
+
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """``PATH[:STRENGTH]`` → (path, strength); a suffix that is not a number belongs to the path."""
+    head, sep, tail = text.rpartition(":")
+    if sep and head:
+        try:
+            return head, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0

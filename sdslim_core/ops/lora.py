@@ -320,14 +320,3 @@ def merge_loras(weights_canonical: Mapping, loras: Sequence, cfg: layout.UNetCon
         base = weights_canonical[key]
         out[key] = merger.merge(key, base, out_dtype=base.dtype)
     return out, merger.report
-
-
-def parse_lora_arg(text: str) -> tuple[str, float]:
-    """``PATH[:STRENGTH]`` → (path, strength); a suffix that is not a number belongs to the path."""
-    head, sep, tail = text.rpartition(":")
-    if sep and head:
-        try:
-            return head, float(tail)
-        except ValueError:
-            pass
-    return text, 1.0

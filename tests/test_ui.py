@@ -235,10 +235,10 @@ def test_ui_command_without_gradio_says_how_to_install(monkeypatch, capsys, tmp_
 def test_gpu_memory_from_the_live_report(monkeypatch):
     from sdslim_core.vram import live
     rep = live.MemoryReport("cuda:0", "NVIDIA Test 12GB", "nvml", total_bytes=12 * 2 ** 30)
-    monkeypatch.setattr(live, "memory_report", lambda device=None: rep)
+    monkeypatch.setattr(actions, "memory_report", lambda device=None: rep)
     assert actions.gpu_memory() == (12.0, "NVIDIA Test 12GB: 12.0 GiB (live, nvml)")
-    monkeypatch.setattr(live, "memory_report", lambda device=None: live.MemoryReport("cpu", "CPU", "psutil",
-                                                                                      total_bytes=2 ** 34))
+    cpu = live.MemoryReport("cpu", "CPU", "psutil", total_bytes=2 ** 34)
+    monkeypatch.setattr(actions, "memory_report", lambda device=None: cpu)
     gib, note = actions.gpu_memory()
     assert gib is None and "no CUDA GPU" in note
 

@@ -16,6 +16,16 @@ from pathlib import Path
 
 import torch
 
+from . import fidelity
+from .. import tiny
+from ..modules import swap
+from ..ops import breakdown, fold, lora, quant
+from ..ops.sampling import diffusers_fn
+from ..tiny import data as tiny_data
+from ..tiny.data import nearest_colour
+from ..train import Calibration, TrainConfig, train_adapters
+from ..vram.live import memory_report
+
 PROMPTS_SEED = 20261130          # a data stream the teacher never saw (it trained on seed 0)
 FAST = dict(stage1_steps=30, stage2_steps=20, n_trajectories=4, sample_steps=8, ff_tokens=4096, res_maps=24,
             rank_grid=(0.25, 0.5, 0.75))
@@ -45,7 +55,6 @@ def _latency_ratio(teacher, slim, x, t, ctx, repeats: int) -> dict:
 
 def _iou(images, masks, bg_colour_idx) -> float:
     """IoU of the pixels that are not the named background colour with the control mask."""
-    from ..tiny.data import nearest_colour
     fg = (nearest_colour(images) != bg_colour_idx[:, None, None]).float()
     m = masks[:, 0]
     return ((fg * m).sum() / ((fg + m) > 0).float().sum().clamp(min=1)).item()
@@ -88,14 +97,6 @@ def run_demo(out_dir, ratio: float = 0.5, fast: bool = False, n_images: int = 6,
 
 
 def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overrides) -> dict:
-    from . import fidelity
-    from .. import tiny
-    from ..modules import swap
-    from ..ops import breakdown, fold, lora, quant
-    from ..ops.sampling import diffusers_fn
-    from ..tiny import data as tiny_data
-    from ..train import Calibration, TrainConfig, train_adapters
-    from ..vram.live import memory_report
     started = time.perf_counter()
     timings = {}
 

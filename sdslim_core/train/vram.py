@@ -17,7 +17,19 @@ import importlib
 import json
 import os
 
+import torch
+
+from .. import layout
+from ..io.adapters import AdapterSet
+from ..layout.rank_policy import res_groups
+from ..modules import swap
+from ..modules.layers import set_module
+from ..modules.unet import build_diffusers_unet
+from ..vram import harness
+from ..vram.estimate import estimate_many
+from ..vram.settings import Settings
 from .ranks import adapter_param_count, param_count
+from .sites import SiteGate
 from .stage2 import split_groups
 
 GIB = 2 ** 30
@@ -32,8 +44,6 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
 def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_bytes: int = 2,
              train_sites=None) -> dict:
     """Resident bytes per stage (GiB), from shapes only (stage 2: the ``train_sites`` group's adapters)."""
-    from .. import layout
-    from ..modules.unet import build_diffusers_unet
     unet = build_diffusers_unet(cfg, device="meta")
     canon, _, _ = layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})
     site_list = layout.sites(canon)
@@ -86,9 +96,6 @@ def _site_pixels(site: str, cfg, latent: int, cache: dict) -> int:
 
 def _empty_adapter_set(by_name: dict, ranks: dict):
     """An :class:`AdapterSet` of empty tensors (fake-tensor safe: its validation, which reads values, is skipped)."""
-    import torch
-    from ..io.adapters import AdapterSet
-    from ..layout.rank_policy import res_groups
     tensors, groups = {}, {}
     for site, r in ranks.items():
         s = by_name[site]
@@ -111,11 +118,6 @@ def estimator_model(settings):
     (default all; with stage-2 groups, the largest group) get gated trainable adapters; the frozen teacher becomes
     fp16 buffers.
     """
-    from .. import layout
-    from ..modules import swap
-    from ..modules.layers import set_module
-    from ..vram import harness
-    from .sites import SiteGate
     unet = harness.original_unet(settings)
     spec = json.loads(os.environ.get(_ENV, "{}"))
     ranks = spec.get("ranks", spec if "train" not in spec else {})
@@ -137,7 +139,6 @@ def estimator_model(settings):
 
 def teacher_model(settings):
     """Model factory for the estimator's calibration step: the teacher with fp16 frozen weights."""
-    from ..vram import harness
     unet = harness.original_unet(settings)
     _freeze_as_fp16_buffers(unet, keep=set())
     return unet
@@ -146,7 +147,6 @@ def teacher_model(settings):
 def _freeze_as_fp16_buffers(tree, keep: set):
     """Turn every parameter outside the ``keep`` modules into an fp16 buffer: that is how the trainer holds the
     frozen teacher on CUDA, and the estimator's harness makes all *parameters* trainable (full fine-tune)."""
-    import torch
     kept = {id(p) for m in keep for p in m.parameters()}
     for module in tree.modules():
         for name, p in list(module._parameters.items()):
@@ -159,9 +159,6 @@ def _freeze_as_fp16_buffers(tree, keep: set):
 def estimate(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: bool, timeout: float = 900,
              train_sites=None) -> dict:
     """Stage-2 and calibration peaks from the VRAM estimator (GiB, corrected to an fp16 teacher)."""
-    from .. import layout
-    from ..vram.estimate import estimate_many
-    from ..vram.settings import Settings
     arch = cfg.family if cfg.family in ("sd15", "sd2", "sdxl") else "sd15"
     base = dict(arch=arch, resolution=latent_size * 8, precision="amp-bf16", unet_config=layout.diffusers_config(cfg),
                 model_factory="sdslim_core.train.vram:estimator_model")

@@ -14,15 +14,28 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 import threading
 import time
 from typing import Callable, Sequence
 
-from ..cli import USER_ERRORS, error_text
+import numpy as np
+
+from ..apps.breakdown import breakdown_result
+from ..apps.evaluate import evaluate, format_result, jsonable
+from ..apps.slim import slim_checkpoint
+from ..cli import USER_ERRORS, build_parser, error_text
+from ..cli.slim import summary_text
+from ..cli.vram import estimate_results, results_json
 from ..io.files import GIB
-from ..vram.settings import ARCHS, ATTENTIONS, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings
+from ..ops.breakdown import ROWS, table_rows
+from ..vram.estimate import BREAKDOWN_GROUPS, EstimateCancelled, grouped_breakdown
+from ..vram.fit import kink_note, largest_batch
+from ..vram.live import memory_report
+from ..vram.plots import figure_curves
+from ..vram.settings import ARCHS, ATTENTIONS, LORA_KINDS, OPTIMIZERS, PRECISIONS, Settings, parse_batch_sizes
 from .paths import Roots
 
 TASKS = ("sampling", "full fine-tune", "LoRA")
@@ -83,13 +96,11 @@ def estimate_argv(form: PlanForm, roots: Roots) -> list[str]:
 
 
 def _batch_sizes(text) -> tuple:
-    from ..vram.settings import parse_batch_sizes
     return parse_batch_sizes(str(text))
 
 
 def parse_estimate_argv(argv: Sequence[str]):
     """``argv`` parsed by the ``sdslim`` CLI's own parser (ValueError instead of argparse's exit)."""
-    from ..cli import build_parser
     try:
         return build_parser().parse_args(list(argv))
     except SystemExit:
@@ -174,8 +185,6 @@ class Planner:
         return job
 
     def _run(self, job: PlanJob, args):
-        from ..cli.vram import estimate_results, results_json
-        from ..vram.estimate import EstimateCancelled
         try:
             results = estimate_results(args, cancel=job.cancel, on_progress=job.on_progress, **self.worker_kw)
             job.result = PlanResult(job.argv, results, results_json(args, results), time.monotonic() - job.started)
@@ -208,7 +217,6 @@ def gib(x: float) -> str:
 
 def plan_table(plan: PlanResult, gpu_gib: float | None) -> str:
     """Markdown: one row per (curve, batch size) with the peak, where it happens and its breakdown."""
-    from ..vram.estimate import BREAKDOWN_GROUPS, grouped_breakdown
     head = ["UNet", "batch", "peak GiB", "peak bytes", "phase"] + list(BREAKDOWN_GROUPS)
     if gpu_gib:
         head.append(f"fits {gpu_gib:g} GiB?")
@@ -226,7 +234,6 @@ def plan_table(plan: PlanResult, gpu_gib: float | None) -> str:
 
 def plan_summary(plan: PlanResult, gpu_gib: float | None) -> str:
     """Markdown: the setting, each curve's fit and the largest batch size that fits the GPU."""
-    from ..vram.fit import kink_note, largest_batch
     first = plan.results[0]
     how = "cached" if plan.cached else f"{plan.seconds:.0f} s"
     lines = [f"**{first.settings.label()}** — estimated without a GPU (fake {first.device_mode}, {how})", ""]
@@ -256,20 +263,17 @@ def plan_summary(plan: PlanResult, gpu_gib: float | None) -> str:
 
 def plan_figure(plan: PlanResult, gpu_gib: float | None, gpu_label: str = ""):
     """Peak vs batch size (one line per UNet), the GPU's memory as a red line."""
-    from ..vram.plots import figure_curves
     curves = [{"name": _curve_label(r), "points": r.points} for r in plan.results]
     limit = (gpu_gib, gpu_label or f"GPU memory {gpu_gib:g} GiB") if gpu_gib else None
     return figure_curves(curves, plan.results[0].settings.label(), limit=limit, size=(7.0, 4.0))
 
 
 def command_line(argv: Sequence[str]) -> str:
-    import shlex
     return "sdslim " + " ".join(shlex.quote(a) for a in argv)
 
 
 def gpu_memory() -> tuple[float | None, str]:
     """(GiB, description) of this machine's CUDA GPU, live from NVML (or torch); (None, why) without one."""
-    from ..vram.live import memory_report
     rep = memory_report()
     if rep.device.startswith("cuda") and rep.total_bytes:
         return rep.total_bytes / GIB, f"{rep.name}: {rep.total_bytes / GIB:.1f} GiB (live, {rep.source})"
@@ -280,8 +284,6 @@ def gpu_memory() -> tuple[float | None, str]:
 
 def breakdown_view(roots: Roots, source: str, arch: str, ckpt: str, mode: str, ratio: float | None):
     """(the ``sdslim breakdown --json`` object, markdown table, bar chart) for a family or a checkpoint."""
-    from ..apps.breakdown import breakdown_result
-    from ..ops.breakdown import ROWS, table_rows
     _choice(mode, ("exact", "seed"), "mode")
     ratio = float(ratio) if ratio else None
     if source == "checkpoint":
@@ -337,8 +339,6 @@ def run_slim(roots: Roots, ckpt: str, adapters: str, loras, select: float, out_f
              progress: Callable[[int, int, str], None] | None = None):
     """``sdslim slim`` for the UI: (the CLI's summary text, its ``--json`` object). Raises on bad input (nothing
     is written then); :func:`user_error` turns that into the CLI's message."""
-    from ..apps.slim import slim_checkpoint
-    from ..cli.slim import summary_text
     ckpt = roots.resolve(ckpt, "checkpoint")
     adapters = roots.resolve(adapters, "adapter file")
     loras = resolve_loras(roots, loras)
@@ -351,10 +351,8 @@ def run_compare(roots: Roots, ckpt: str, adapters: str, loras, seeds: int, steps
                 embeddings: str = ""):
     """``sdslim eval`` for the UI: (grid image as an array or None, markdown numbers, the CLI's text, the
     ``--json`` object). The PNG is written to a temporary folder and read back."""
-    import numpy as np
     from PIL import Image
 
-    from ..apps.evaluate import evaluate, format_result, jsonable
     ckpt = roots.resolve(ckpt, "checkpoint")
     adapters = roots.resolve(adapters, "adapter file")
     loras = resolve_loras(roots, loras)

@@ -316,11 +316,11 @@ def main():
         return dict(base_env, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env = env_for(ROOT)
     before = Path(args.before).resolve() if args.before else None
-    if before and not (before / "sdslim_core" / "slim.py").exists():
-        raise SystemExit(f"--before {before}: no sdslim_core/apps/slim.py there")
+    if before and not any((before / "sdslim_core" / p).exists() for p in ("slim.py", "apps/slim.py")):
+        raise SystemExit(f"--before {before}: not an sdslim tree (no sdslim_core/apps/slim.py or sdslim_core/slim.py)")
     load_start, pressure_start = os.getloadavg()[0], cpu_pressure()
     tmp = Path(tempfile.mkdtemp(prefix="sdslim-bench-", dir=args.tmp))
-    runs, lines = {}, []
+    runs = {}
     try:
         t0 = time.perf_counter()
         ckpt, ad = tmp / "sd15.safetensors", tmp / "adapters.safetensors"
@@ -330,7 +330,7 @@ def main():
         if gen.returncode:
             raise SystemExit(f"generation failed:\n{gen.stderr[-3000:]}")
         sizes = json.loads(gen.stdout)
-        params, slim_params, n_sites = sizes["params"], sizes["slim_params"], sizes["sites"]
+        slim_params, n_sites = sizes["slim_params"], sizes["sites"]
         slim_bytes = slim_params * 2
         print(f"generated in {time.perf_counter() - t0:.1f} s: checkpoint {gib(ckpt.stat().st_size):.2f} GiB, "
               f"adapters {gib(ad.stat().st_size):.2f} GiB (fp16, {n_sites} sites, ratio {args.ratio}), LoRAs "

@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from sdslim_core import layout
+from sdslim_core.hosts.comfyui import NEEDS_BASE, core_module, made_for_numel, patch_tensors
 from sdslim_core.io.lora_files import LoraError, LoraModule
 from sdslim_core.ops.lora import module_scale, norm2_lost
 from sdslim_core.ops.lora_slim import DROPPED
@@ -28,80 +29,11 @@ from sdslim_core.ops.lora_slim import DROPPED
 PREFIX = layout.COMFY_PREFIX
 log = logging.getLogger("sdslim")
 _reported_hooks = weakref.WeakSet()
-_NEEDS_BASE = ("GLoRAAdapter", "OFTAdapter", "BOFTAdapter")      # ComfyUI forms computed from the base weight
 _CONVERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # SlimSpace → recent conversions
 _CACHED = 1024                                                    # conversions kept per slim model (~10 LoRAs)
 
 
-def made_for_numel(value) -> int | None:
-    """Number of weights of the layer a ComfyUI patch value was made for, where its form tells it (else None)."""
-    if isinstance(value, list) and value and isinstance(value[0], tuple) and hasattr(value[0][0], "numel"):
-        return value[0][0].numel()                                    # a nested patch list (model merging)
-    if isinstance(value, tuple) and len(value) == 2 and value[0] in ("diff", "set") and value[1]:
-        t = value[1][0]
-        return t.numel() if hasattr(t, "numel") else None
-    weights = getattr(value, "weights", None)
-    name = type(value).__name__
-    if weights is None:
-        return None
-    if name == "LoRAAdapter":                       # (up, down, alpha, mid, dora_scale, reshape)
-        up, down, mid = weights[0], weights[1], weights[3]
-        reshape = weights[5] if len(weights) > 5 else None
-        if reshape is not None:
-            return math.prod(reshape)
-        if mid is not None:
-            return up.shape[0] * down.shape[1] * math.prod(mid.shape[2:])
-        return up.shape[0] * math.prod(down.shape[1:])
-    if name == "LoHaAdapter":                       # (w1a, w1b, alpha, w2a, w2b, t1, t2, dora_scale)
-        w1a, w1b, t1 = weights[0], weights[1], weights[5]
-        return w1a.shape[0] * w1b.shape[1] * (math.prod(t1.shape[2:]) if t1 is not None else 1)
-    if name == "LoKrAdapter":                       # (w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, t2, dora_scale)
-        w1, w2, w1a, w1b, w2a, w2b, t2 = weights[0], weights[1], weights[3], weights[4], weights[5], weights[6], \
-            weights[7]
-        n1 = w1.numel() if w1 is not None else w1a.shape[0] * w1b.shape[1]
-        if w2 is not None:
-            n2 = w2.numel()
-        elif t2 is not None:
-            n2 = w2a.shape[1] * w2b.shape[1] * math.prod(t2.shape[2:])
-        else:
-            n2 = w2a.shape[0] * w2b.shape[1]
-        return n1 * n2
-    return None
-
-
-# ------------------------------------------------------------------------------ ComfyUI patch ⇄ core module
-
-def _named(tensors: dict) -> dict:
-    return {k: v.detach().cpu() for k, v in tensors.items() if v is not None}
-
-
-def core_module(ckey: str, value, source: str) -> LoraModule | None:
-    """The core form of a ComfyUI patch ``value`` on canonical key ``ckey`` (``….weight`` or ``….bias``), or None
-    for a form the core does not read. Tensors come to the CPU; ComfyUI's alpha is the file's alpha."""
-    module, part = ckey.rsplit(".", 1)
-    name = type(value).__name__
-    w = getattr(value, "weights", None)
-    if part == "weight" and name == "LoRAAdapter" and (len(w) < 6 or w[5] is None):
-        up, down, alpha, mid, dora = w[:5]
-        kind, tensors = "lora", _named({"up": up, "down": down, "mid": mid, "dora_scale": dora})
-    elif part == "weight" and name == "LoHaAdapter":
-        w1a, w1b, alpha, w2a, w2b, t1, t2, dora = w
-        kind, tensors = "loha", _named({"hada_w1_a": w1a, "hada_w1_b": w1b, "hada_w2_a": w2a, "hada_w2_b": w2b,
-                                        "hada_t1": t1, "hada_t2": t2, "dora_scale": dora})
-    elif part == "weight" and name == "LoKrAdapter":
-        w1, w2, alpha, w1a, w1b, w2a, w2b, t2, dora = w
-        kind, tensors = "lokr", _named({"lokr_w1": w1, "lokr_w2": w2, "lokr_w1_a": w1a, "lokr_w1_b": w1b,
-                                        "lokr_w2_a": w2a, "lokr_w2_b": w2b, "lokr_t2": t2, "dora_scale": dora})
-    elif isinstance(value, tuple) and value and value[0] == "diff" and len(value) == 2 and \
-            torch.is_tensor(value[1][0]):
-        alpha, kind = None, "diff"
-        tensors = _named({"diff" if part == "weight" else "diff_b": value[1][0]})
-    else:
-        return None
-    if alpha is not None:
-        tensors["alpha"] = torch.tensor(float(alpha))
-    return LoraModule(source, PREFIX + ckey, module, kind, tensors, [PREFIX + ckey])
-
+# ---------------------------------------------------------------------------------- core module → ComfyUI patch
 
 def host_value(mod: LoraModule, part: str, dtype: torch.dtype):
     """A converted module as the ComfyUI patch for its ``part``: a ``LoRAAdapter`` (ComfyUI's alpha/rank is the
@@ -145,7 +77,7 @@ def fit_to_slim(info, k, value, shape: tuple, source: str, out: Fitted) -> None:
     if have == math.prod(shape) and have != full:                   # already made for the slim layer
         out.pairs.append((k, value))
         return
-    if type(value).__name__ in _NEEDS_BASE:
+    if type(value).__name__ in NEEDS_BASE:
         raise LoraError(f"{source}: its {type(value).__name__[:-len('Adapter')]} patch on {key}, a layer the fold "
                         "changes, is computed from the full-size weight, which a slim model no longer has; fold it "
                         "instead: put its LoRA loader before Slim UNet (or apply it before `sdslim slim`)")
@@ -162,7 +94,7 @@ def fit_to_slim(info, k, value, shape: tuple, source: str, out: Fitted) -> None:
 def _converted(space, ckey: str, value, mod: LoraModule) -> list:
     """The slim patches of ``mod`` (made from ``value``), converted once per source tensors: the same LoRA added
     again (a strength change, a hook registered at every sampling) reuses them."""
-    sources = _sources(value)
+    sources = patch_tensors(value)
     key = (ckey, type(value).__name__, tuple(("t", id(x)) if torch.is_tensor(x) else ("v", repr(x)) for x in sources))
     cache = _CONVERSIONS.setdefault(space, collections.OrderedDict())
     hit = cache.get(key)
@@ -178,11 +110,6 @@ def _converted(space, ckey: str, value, mod: LoraModule) -> list:
     while len(cache) > _CACHED:
         cache.popitem(last=False)
     return pairs
-
-
-def _sources(value) -> tuple:
-    weights = getattr(value, "weights", None)
-    return tuple(weights) if weights is not None else tuple(value[1])
 
 
 def fit_patches(model, patches: dict, source: str) -> Fitted:

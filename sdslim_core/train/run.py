@@ -81,8 +81,8 @@ def execute(session: Session) -> TrainResult:
     session.progress.total = stage1_total + tc.stage2_steps
     aset_s1, err_s1, unet_err = _stage1(session, store, aset_init, err_init, bank)
     if tc.stage2_steps > 0:
-        tensors2, _, after = stage2.run_stage2(session, aset_s1, bank, stage2.resolve_groups(session, aset_init.ranks()),
-                                               shown=stage1_total)
+        groups = stage2.resolve_groups(session, aset_init.ranks())
+        tensors2, _, after = stage2.run_stage2(session, aset_s1, bank, groups, shown=stage1_total)
         final = session.ordered(AdapterSet(session.cfg.family, tensors2, aset_init.norm_groups))
         unet_err["stage2"] = after
         site_err = site_errors(session, store, final)

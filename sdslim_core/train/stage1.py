@@ -96,7 +96,8 @@ def run_stage1(session, store, aset: AdapterSet, errors_init: dict) -> tuple[dic
     resume_state = checkpoint.latest(session.ckpt_dir, prefix) if session.resume else None
     total_steps = tc.stage1_steps * len(owned)
     session.progress.start_stage("stage 1", total_steps, unit="step")
-    loop = FitLoop(tc.lr1, tc.grad_clip, session.ckpt_dir, prefix, tc.checkpoint_every, tc.keep_checkpoints, session.progress)
+    loop = FitLoop(tc.lr1, tc.grad_clip, session.ckpt_dir, prefix, tc.checkpoint_every, tc.keep_checkpoints,
+                   session.progress)
     global_step = 0
     for site in owned:
         i = index[site]

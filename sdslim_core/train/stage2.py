@@ -262,14 +262,16 @@ def fit_group(session, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups:
     return {s: {n: best[f"{s}/{n}"].clone() for n in adapters[s].tensors()} for s in group}, err, before
 
 
-def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int, shown: int = 0) -> tuple[dict, float, float]:
+def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int,
+               shown: int = 0) -> tuple[dict, float, float]:
     """Returns ({site: tensors}, UNet error before, UNet error after) (errors on the eval split).
 
-    With ``stage2_groups`` G > 1 (memory: only one group's adapters and optimizer state live at a time) the sites
-    are split into G contiguous groups trained one after another, each for its share of the steps with its own
-    replacement curriculum; finished groups stay replaced by their folded students (their teacher layers leave the
-    device), later groups stay teacher. Early stopping in a group measures the model as it stands (students up to
-    this group); after the last group that is the all-student UNet.
+    ``shown``: the progress already shown (stage 1's steps). With ``n_groups`` G > 1 (memory: only one group's
+    adapters and optimizer state live at a time) the sites are split into G contiguous groups trained one after
+    another, each for its share of the steps with its own replacement curriculum; finished groups stay replaced by
+    their folded students (their teacher layers leave the device), later groups stay teacher. Early stopping in a
+    group measures the model as it stands (students up to this group); after the last group that is the
+    all-student UNet.
     """
     tc = session.tc
     sizes = {s: sum(v.numel() for v in t.values()) for s, t in aset.sites.items()}
@@ -281,8 +283,8 @@ def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int, shown:
     before_all = None
     after = None
     session.progress.start_stage("stage 2", tc.stage2_steps, unit="step")
-    loop = FitLoop(tc.lr2, tc.grad_clip, session.ckpt_dir, "s2", tc.checkpoint_every, tc.keep_checkpoints, session.progress,
-                   shown=shown, save=session.topo.main, save_last=True)
+    loop = FitLoop(tc.lr2, tc.grad_clip, session.ckpt_dir, "s2", tc.checkpoint_every, tc.keep_checkpoints,
+                   session.progress, shown=shown, save=session.topo.main, save_last=True)
     for g, group in enumerate(groups):
         path = group_path(session, g)
         if session.resume and path.exists():

@@ -5,7 +5,7 @@ Two sources:
 - **analytic** (always): what is resident per stage, exactly counted from the shapes: frozen teacher weights
   (fp16 on CUDA), adapter parameters (fp32), their gradients, optimizer states (AdamW 8 B/param, bitsandbytes
   8-bit AdamW ≈ 2 B/param), plus for stage 1 one site's data batch and activations.
-- **estimator** (when ``sdslim_core.vram`` is importable): the stage-2 step (full UNet with every site
+- **estimator**: the stage-2 step (full UNet with every site
   replaced, gradient checkpointing, bf16 autocast, MSE on the output, optimizer step) and the calibration
   sampling step are run on fake tensors by the VRAM estimator (:mod:`sdslim_core.vram.estimate`) with the
   trainer's own modules (``estimator_model``/``teacher_model`` below: the frozen teacher as fp16 buffers, as the
@@ -13,7 +13,6 @@ Two sources:
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
@@ -219,22 +218,16 @@ def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: b
 
 
 def predict_for(session, ranks: dict, stage2_groups: int) -> dict:
-    """:func:`predict` for a run's session at ``ranks`` with stage 2 in ``stage2_groups`` groups (the estimator
-    runs when it imports; said on the session's log)."""
+    """:func:`predict` for a run's session at ``ranks`` with stage 2 in ``stage2_groups`` groups, said on the
+    session's log."""
     tc, device = session.tc, session.device
     opt = session.optimizer_name if device.type == "cuda" else ("adamw8bit" if tc.optimizer == "adamw8bit" else "adamw")
-    try:
-        importlib.import_module("sdslim_core.vram.estimate")
-        use = True
-    except ImportError:
-        use = False
     sizes = {s.name: adapter_param_count([s], ranks) for s in session.site_list if s.name in ranks}
     groups = split_groups(session.site_order, sizes, stage2_groups)
     train_sites = max(groups, key=lambda g: sum(sizes[s] for s in g))
-    if use:
-        session.say("predicting peak VRAM (the VRAM estimator runs the training step on fake tensors, ~1 min)…")
+    session.say("predicting peak VRAM (the VRAM estimator runs the training step on fake tensors, ~1 min)…")
     info = predict(session.cfg, ranks, tc, session.latent_size, opt,
-                   grad_ckpt=session.grad_ckpt or device.type != "cuda", use_estimator=use,
+                   grad_ckpt=session.grad_ckpt or device.type != "cuda",
                    train_sites=train_sites if len(groups) > 1 else None)
     session.say("VRAM: " + info["text"])
     return info

@@ -6,7 +6,8 @@ extension has loaded for this pass are then applied to the slim layers in slim s
 reads the extension's modules), so a LoRA or strength change costs no fold. A LoRA form that needs the full-size
 weight (DoRA, OFT …) on a folded layer is folded in instead: the extension's merge is forced on the layers the fold
 reads (in its functional mode, "Lora: use old method", each is un-merged right after, as its own forward does)
-before folding. The original layers are kept and put back when SD Slim is off, when weights are loaded into the
+before folding. In the functional mode the replaced originals are always un-merged, since their own forward, which
+would do it, does not run while they are swapped out. The original layers are kept and put back when SD Slim is off, when weights are loaded into the
 UNet, when another model is loaded, and after any error. The logic lives in ``sdslim_core``; this file is the webui
 shell. Forge is refused.
 """
@@ -164,6 +165,8 @@ def slim_for_sampling(p, job):
         else:
             report = live.apply(key, aset, offload=_offload(sd_model), compute_device=devices.device,
                                 read=a1111_lora.base_weights)
+            for path in layers if unmerge is not None else ():
+                unmerge(live.original(path))    # an in-place merge made before the functional mode was chosen
         loras = live.apply_loras(params.lora_key(loaded) if modules else (), modules)
     except Exception as err:  # noqa: BLE001 - a failed fold must never break the generation
         restore_original("error", forget=False)

@@ -497,3 +497,18 @@ def test_forge_is_refused_clearly(webui, tmp_path, monkeypatch):
     _, res = s.generate("cat")
     s.assert_same_as(snap)
     assert "does not support Forge" in _params(res.infotexts[0])["SD Slim error"]
+
+
+def test_off_gives_the_original_model_back_after_lora_functional_is_switched_on(session):
+    """A LoRA merged in place (ordinary mode), then "use old method" switched on and a slim generation with a
+    LoRA, then SD Slim off without a LoRA: the originals the fold replaced must not keep the old merge (the
+    functional forward restores nothing while no network is loaded)."""
+    snap = session.snapshot()
+    p0, _ = session.generate("cat <lora:a:0.7>", mode="Off")       # the extension merges into the originals
+    assert (p0.standin_outputs[0] - _plain(session)).abs().max() > 1e-3
+    _functional_lora(session)
+    p1, _ = session.generate("cat <lora:a:0.6>")
+    assert torch.allclose(p1.standin_outputs[0], _reference(session, multiplier=0.6), atol=TOL, rtol=0)
+    p2, _ = session.generate("cat", mode="Off")
+    assert torch.equal(p2.standin_outputs[0], _plain(session))
+    session.assert_same_as(snap)

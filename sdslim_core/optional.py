@@ -14,7 +14,7 @@ from types import ModuleType
 # import name -> (distribution, the pip argument that installs it: sdslim's extra where it has one)
 PACKAGES = {
     "peft": ("peft", "sdslim[lora]"),
-    "lycoris": ("lycoris-lora", "sdslim[lora]"),
+    "lycoris": ("lycoris-lora", "lycoris-lora"),     # a dependency; imported lazily (it is slow to import)
     "accelerate": ("accelerate", "sdslim[train]"),
     "xformers": ("xformers", "sdslim[xformers]"),
     "bitsandbytes": ("bitsandbytes", "bitsandbytes"),

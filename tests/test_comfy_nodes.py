@@ -367,6 +367,36 @@ def test_loras_after_slim_are_converted_and_equal_the_fold_of_the_merged_weights
     assert lokr[0] == "diff" and lokr[1][0].shape == (aset.rank(RES), weights[f"{RES}.emb_layers.1.weight"].shape[1])
 
 
+def test_tucker_locon_and_tucker_loha_after_slim_equal_the_fold_of_the_merged_weights(pack, model):
+    """The LyCORIS forms whose ΔW needs lycoris-lora's math (a 3×3 LoCon with a Tucker core on conv1, a LoHa with
+    Tucker cores on conv2), added after Slim UNet: float64 fold of W + s·ΔW, ΔW written out by hand here."""
+    import comfy.weight_adapter as wa
+    patcher, weights = model
+    aset = _aset(weights, 0.5)
+    slim = pack.folding.slim_patcher(patcher, aset)
+    g = torch.Generator().manual_seed(8)
+
+    def r(*shape):
+        return 0.2 * torch.randn(*shape, generator=g, dtype=torch.float64)
+    conv1, conv2 = f"{RES}.in_layers.2", f"{RES}.out_layers.3"
+    w1, w2 = weights[conv1 + ".weight"], weights[conv2 + ".weight"]
+    up, mid, down = r(w1.shape[0], 3, 1, 1), r(3, 3, 3, 3), r(3, w1.shape[1], 1, 1)
+    t1, a1, b1, t2, a2, b2 = r(2, 2, 3, 3), r(2, w2.shape[0]), r(2, w2.shape[1]), r(2, 2, 3, 3), \
+        r(2, w2.shape[0]), r(2, w2.shape[1])
+    patches = {f"diffusion_model.{conv1}.weight": wa.LoRAAdapter(set(), (up, down, 1.5, mid, None, None)),
+               f"diffusion_model.{conv2}.weight": wa.LoHaAdapter(set(), (a1, b1, 4.0, a2, b2, t1, t2, None))}
+    tucker = lambda t, a, b: torch.einsum("ijkl,io,jc->ockl", t, a, b)  # noqa: E731 (LyCORIS' Tucker rebuild)
+    deltas = {conv1 + ".weight": 0.5 * torch.einsum("oa,abkl,bi->oikl", up.flatten(1), mid, down.flatten(1)),
+              conv2 + ".weight": 2.0 * tucker(t1, a1, b1) * tucker(t2, a2, b2)}
+    for strength in (1.0, -0.6):
+        later = slim.clone()
+        assert set(later.add_patches(patches, strength)) == set(patches)
+        got = _patched_unet(later)
+        scaled = {k: strength * d for k, d in deltas.items()}
+        for key, ref in pack.fold64(weights, aset.sites[RES], RES, "res", scaled).items():
+            torch.testing.assert_close(got[key], ref, rtol=1e-9, atol=1e-10, msg=lambda m: f"{key}: {m}")
+
+
 def test_forms_that_need_the_full_weight_are_refused_and_the_rest_dropped_once(pack, model, caplog):
     import comfy.weight_adapter as wa
     patcher, weights = model

@@ -57,6 +57,24 @@ def test_loha_is_the_hadamard_product_of_two_low_rank_factors():
     assert mod.kind == "loha" and comfyui.made_for_numel(value) == 48
 
 
+def test_tucker_loha_and_tucker_locon_conv():
+    """Tucker cores as ComfyUI rebuilds them: LoHa w1a [rank, out], w1b [rank, in], t [rank, rank, k, k] →
+    Σ_ij t[i, j]·w1a[i, out]·w1b[j, in]; a LoRA ``mid`` [r, r, k, k] between up and down."""
+    t1, w1a, w1b, t2, w2a, w2b = (_r(*s, seed=20 + i) for i, s in enumerate(
+        ((3, 3, 3, 3), (3, 8), (3, 5), (3, 3, 3, 3), (3, 8), (3, 5))))
+    value = LoHaAdapter((w1a, w1b, 6.0, w2a, w2b, t1, t2, None))
+    got, mod = _delta(value, (8, 5, 3, 3))
+    rebuild = lambda t, a, b: torch.einsum("ijkl,ip,jr->prkl", t, a, b)  # noqa: E731
+    torch.testing.assert_close(got, 2.0 * rebuild(t1, w1a, w1b) * rebuild(t2, w2a, w2b), rtol=1e-12, atol=1e-12)
+    assert comfyui.made_for_numel(value) == 8 * 5 * 9
+    up, mid, down = _r(8, 2, 1, 1, seed=30), _r(2, 2, 3, 3, seed=31), _r(2, 5, 1, 1, seed=32)
+    value = LoRAAdapter((up, down, 1.0, mid, None, None))
+    got, _ = _delta(value, (8, 5, 3, 3))
+    ref = 0.5 * torch.einsum("oa,abkl,bi->oikl", up.flatten(1), mid, down.flatten(1))
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    assert comfyui.made_for_numel(value) == 8 * 5 * 9
+
+
 def test_lokr_is_a_kronecker_product_scaled_by_the_factorised_rank():
     w1, w2a, w2b = _r(2, 3, seed=9), _r(4, 2, seed=10), _r(2, 2, seed=11)
     value = LoKrAdapter((w1, None, 3.0, None, None, w2a, w2b, None, None))

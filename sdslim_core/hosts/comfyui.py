@@ -41,7 +41,9 @@ def made_for_numel(value) -> int | None:
         return up.shape[0] * math.prod(down.shape[1:])
     if name == "LoHaAdapter":                       # (w1a, w1b, alpha, w2a, w2b, t1, t2, dora_scale)
         w1a, w1b, t1 = weights[0], weights[1], weights[5]
-        return w1a.shape[0] * w1b.shape[1] * (math.prod(t1.shape[2:]) if t1 is not None else 1)
+        if t1 is not None:                          # Tucker: w1a [rank, out], w1b [rank, in], t1 [rank, rank, k, k]
+            return w1a.shape[1] * w1b.shape[1] * math.prod(t1.shape[2:])
+        return w1a.shape[0] * w1b.shape[1]
     if name == "LoKrAdapter":                       # (w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, t2, dora_scale)
         w1, w2, w1a, w1b, w2a, w2b, t2 = weights[0], weights[1], weights[3], weights[4], weights[5], weights[6], \
             weights[7]

@@ -12,16 +12,20 @@ class WeightAdapterBase:
 
 
 class LoRAAdapter(WeightAdapterBase):
-    """weights: (up, down, alpha, mid, dora_scale, reshape); ΔW = (alpha/rank)·up·down (scale 1 without alpha)."""
+    """weights: (up, down, alpha, mid, dora_scale, reshape); ΔW = (alpha/rank)·up·down (scale 1 without alpha,
+    rank = down's rows); a Tucker core ``mid`` [r_up, r_down, k, k] makes down Σ_b mid[a, b]·down[b] first."""
     name = "lora"
 
     def calculate_weight(self, weight, key, strength, strength_model, offset, function,
                          intermediate_dtype=torch.float32, original_weight=None):
         up, down, alpha, mid, dora_scale, reshape = self.weights
-        if mid is not None or dora_scale is not None or reshape is not None:
-            raise NotImplementedError(f"stand-in LoRAAdapter: plain LoRA only ({key})")
+        if dora_scale is not None or reshape is not None:
+            raise NotImplementedError(f"stand-in LoRAAdapter: no DoRA/reshape ({key})")
         scale = 1.0 if alpha is None else alpha / down.shape[0]
-        diff = (up.flatten(1).to(intermediate_dtype) @ down.flatten(1).to(intermediate_dtype)).reshape(weight.shape)
+        down = down.to(intermediate_dtype)
+        if mid is not None:
+            down = torch.einsum("abkl,bi->aikl", mid.to(intermediate_dtype), down.flatten(1))
+        diff = (up.flatten(1).to(intermediate_dtype) @ down.flatten(1)).reshape(weight.shape)
         weight += function((strength * scale * diff).to(weight.dtype))
         return weight
 

@@ -16,6 +16,7 @@ PACKAGES = {
     "peft": ("peft", "sdslim[lora]"),
     "lycoris": ("lycoris-lora", "lycoris-lora"),     # a dependency; imported lazily (it is slow to import)
     "accelerate": ("accelerate", "sdslim[train]"),
+    "transformers": ("transformers", "sdslim[text]"),
     "xformers": ("xformers", "sdslim[xformers]"),
     "bitsandbytes": ("bitsandbytes", "bitsandbytes"),
     "matplotlib": ("matplotlib", "matplotlib"),

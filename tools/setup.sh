@@ -21,4 +21,5 @@ echo "$torch_spec" > .venv/torch-constraint.txt
 if [ "$mode" = test ]; then
   "${pip[@]}" install -c .venv/torch-constraint.txt -r requirements-dev.txt
   "${pip[@]}" install --no-deps stable-diffusion-sdkit==2.1.5   # real LDM/A1111 UNet blocks for tests
+  "${pip[@]}" install --no-deps open_clip_torch                 # CLIP's BPE vocabulary file (no torchvision pull)
 fi

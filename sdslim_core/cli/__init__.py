@@ -12,7 +12,7 @@ import sys
 from ..optional import MissingDependency
 
 COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
-                        ("breakdown", "train", "slim", "lora", "evaluate", "vram", "demo", "ui"))
+                        ("breakdown", "encode", "train", "slim", "lora", "evaluate", "vram", "demo", "ui"))
 
 # What a command's bad input raises; the message is shown as it is (CLI and ``sdslim ui`` alike).
 USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency)

@@ -31,6 +31,7 @@ from ..io.files import atomic_path
 from ..io.tensors import FileFormatError, LazyStateDict, load_file, save_file_atomic
 from ..modules import swap
 from ..ops import sampling
+from ..text.conditioning import Conditioning, common_length, repeat_tokens
 
 if TYPE_CHECKING:
     from .session import Session
@@ -46,15 +47,17 @@ SDXL_TIME_EMBEDS = 6
 class Calibration:
     """Where calibration inputs come from.
 
-    ``contexts`` [K, L, D] are the conditionings (prompt or embedding contexts); ``uncond`` [1, L, D] the
-    unconditional context for CFG (default: zeros). SDXL also needs ``pooled`` [K, P] (``uncond_pooled`` [1, P];
-    zeros when absent). ``latents`` [M, C, h, w] (scaled, as the UNet sees x0) switches from teacher trajectories
-    to noised user latents. ``description`` lands in the adapter metadata.
+    ``contexts`` [K, L, D] are the conditionings (prompt or embedding contexts); ``uncond`` [1, L', D] the
+    unconditional context for CFG (the negative prompt's encoding; zeros when absent). SDXL also needs ``pooled``
+    [K, P] (``uncond_pooled`` [1, P]; zeros when absent) and takes ``time_ids`` [1, 6] (default: the calibration
+    latent size × 8, uncropped, as ComfyUI's CLIPTextEncode). ``latents`` [M, C, h, w] (scaled, as the UNet sees x0)
+    switches from teacher trajectories to noised user latents. ``description`` lands in the adapter metadata.
     """
     contexts: torch.Tensor | None = None
     uncond: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
     uncond_pooled: torch.Tensor | None = None
+    time_ids: torch.Tensor | None = None
     latents: torch.Tensor | None = None
     schedule: sampling.Schedule = dataclasses.field(default_factory=sampling.Schedule)
     prompts: tuple = ()
@@ -76,26 +79,36 @@ class Calibration:
             items = [c if c.ndim == 3 else c[None] for c in contexts]
             if not items:
                 raise ValueError("calibration contexts are empty")
-            length = min(c.shape[1] for c in items)
-            if any(c.shape[1] != length for c in items):
-                length = max(c.shape[1] for c in items)
-                items = [_pad_tokens(c, length) for c in items]
-            ctx = torch.cat([c.float() for c in items])
+            length = common_length([c.shape[1] for c in items])
+            ctx = torch.cat([repeat_tokens(c.float(), length) for c in items])
         kw.setdefault("description", {"source": "contexts", "n_contexts": int(ctx.shape[0])})
         return cls(contexts=ctx.float(), uncond=None if uncond is None else uncond.float(), **kw)
 
     @classmethod
-    def from_prompts(cls, prompts: Sequence[str], encode: Callable, **kw) -> "Calibration":
+    def from_prompts(cls, prompts: Sequence[str], encode: Callable, negative: str = "", **kw) -> "Calibration":
         """Prompts through a text encoder: ``encode(list[str])`` returns contexts [B, L, D] or (contexts, pooled);
-        the empty prompt gives the unconditional context."""
+        the ``negative`` prompt (default empty) gives the unconditional context."""
         prompts = [p for p in prompts if p.strip()]
         if not prompts:
             raise ValueError("no prompts given")
         ctx, pooled = _split_encoded(encode(list(prompts)))
-        unc, unc_pooled = _split_encoded(encode([""]))
+        unc, unc_pooled = _split_encoded(encode([negative]))
         kw.setdefault("description", {"source": "prompts", "n_prompts": len(prompts)})
         return cls(contexts=ctx.float(), uncond=unc.float(), pooled=pooled, uncond_pooled=unc_pooled,
                    prompts=tuple(prompts), **kw)
+
+    @classmethod
+    def from_conditioning(cls, cond: "Conditioning", **kw) -> "Calibration":
+        """Prompts encoded by a checkpoint's own text encoders (:class:`sdslim_core.text.conditioning.Conditioning`):
+        the negative prompt's encoding is the unconditional branch; SDXL's pooled outputs and time ids come
+        along."""
+        info = cond.info or {}
+        kw.setdefault("description", {"source": "prompts", "n_prompts": int(cond.context.shape[0]),
+                                      "negative": info.get("negative", ""), "tokenizer": info.get("tokenizer"),
+                                      "clip_skip": info.get("clip_skip")})
+        return cls(contexts=cond.context.float(), uncond=cond.uncond.float(), pooled=cond.pooled,
+                   uncond_pooled=cond.uncond_pooled, time_ids=cond.time_ids,
+                   prompts=tuple(info.get("prompts", ())), **kw)
 
     @classmethod
     def from_embeddings_file(cls, path, **kw) -> "Calibration":
@@ -116,8 +129,13 @@ class Calibration:
         get = lambda k: None if k not in tensors else tensors[k].float()  # noqa: E731
         kw.setdefault("description", {"source": "embeddings", "file": Path(path).name,
                                       "n_contexts": int(ctx.shape[0])})
+        time_ids = get("time_ids")
+        if time_ids is not None and time_ids.numel() != 6:
+            raise FileFormatError(f"{path}: 'time_ids' must hold 6 numbers (h, w, crop top, crop left, target h, "
+                                  f"target w), got {tuple(time_ids.shape)}")
         return cls(contexts=ctx.float(), uncond=get("uncond"), pooled=get("pooled"),
-                   uncond_pooled=get("uncond_pooled"), **kw)
+                   uncond_pooled=get("uncond_pooled"), time_ids=None if time_ids is None else time_ids.reshape(1, 6),
+                   **kw)
 
     @classmethod
     def from_latents_dir(cls, folder, base: "Calibration | None" = None, **kw) -> "Calibration":
@@ -152,14 +170,14 @@ class Calibration:
     def resolved(self, cfg: layout.UNetConfig) -> dict:
         """Context table [K+1, L, D] (last row unconditional), pooled table (SDXL) and whether CFG applies."""
         d = cfg.context_dim
-        if self.contexts is not None and self.contexts.shape[-1] != d:
-            raise ValueError(f"calibration contexts have width {self.contexts.shape[-1]}, the UNet expects {d}")
-        length = self.contexts.shape[1] if self.contexts is not None else \
-            (self.uncond.shape[1] if self.uncond is not None else 77)
-        uncond = self.uncond if self.uncond is not None else torch.zeros(1, length, d)
-        uncond = _pad_tokens(uncond.reshape(1, -1, d).float(), length)
-        contexts = self.contexts if self.contexts is not None else uncond
-        table = torch.cat([contexts.float(), uncond])
+        for name, t in (("contexts", self.contexts), ("uncond", self.uncond)):
+            if t is not None and t.shape[-1] != d:
+                raise ValueError(f"calibration {name} have width {t.shape[-1]}, the UNet expects {d}")
+        uncond = self.uncond.reshape(1, -1, d).float() if self.uncond is not None else \
+            torch.zeros(1, self.contexts.shape[1] if self.contexts is not None else 77, d)
+        contexts = self.contexts.float() if self.contexts is not None else uncond
+        length = common_length([contexts.shape[1], uncond.shape[1]])
+        table = torch.cat([repeat_tokens(contexts, length), repeat_tokens(uncond, length)])
         cfg_on = self.contexts is not None
         pooled = None
         if cfg.adm_in_channels:
@@ -169,13 +187,10 @@ class Calibration:
             if cond_p.shape[-1] != p_dim or unc_p.shape[-1] != p_dim:
                 raise ValueError(f"pooled embeddings must have width {p_dim} for this SDXL UNet")
             pooled = torch.cat([cond_p.float().reshape(-1, p_dim), unc_p.float().reshape(1, p_dim)])
-        return {"table": table, "pooled": pooled, "cfg": cfg_on, "n_cond": contexts.shape[0]}
-
-
-def _pad_tokens(c: torch.Tensor, length: int) -> torch.Tensor:
-    if c.shape[1] >= length:
-        return c[:, :length]
-    return torch.cat([c, c[:, -1:].expand(c.shape[0], length - c.shape[1], c.shape[2])], dim=1)
+        time_ids = None
+        if pooled is not None and self.time_ids is not None:
+            time_ids = self.time_ids.float().reshape(1, 6)
+        return {"table": table, "pooled": pooled, "cfg": cfg_on, "n_cond": contexts.shape[0], "time_ids": time_ids}
 
 
 def _split_encoded(out):
@@ -264,7 +279,11 @@ def unet_call(unet, inputs: dict) -> torch.Tensor:
     return out.sample if hasattr(out, "sample") else out
 
 
-def _time_ids(n: int, latent: int) -> torch.Tensor:
+def _time_ids(n: int, latent: int, fixed: torch.Tensor | None = None) -> torch.Tensor:
+    """SDXL's size conditioning for ``n`` calls: ``fixed`` [1, 6], else (latent·8, latent·8, 0, 0, latent·8,
+    latent·8)."""
+    if fixed is not None:
+        return fixed.reshape(1, 6).repeat(n, 1)
     px = float(latent * 8)
     return torch.tensor([[px, px, 0.0, 0.0, px, px]]).repeat(n, 1)
 
@@ -291,6 +310,7 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
     """Pass 1: the teacher's own trajectories (or noised user latents) → :class:`InputBank` (on the CPU)."""
     res = calib.resolved(cfg)
     table, pooled_table, cfg_on, n_cond = res["table"], res["pooled"], res["cfg"], res["n_cond"]
+    fixed_ids = res["time_ids"]
     uncond_row = table.shape[0] - 1
     guidance = tc.guidance if cfg_on else 1.0
     rec = {"x": [], "t": [], "ctx": [], "eps": [], "group": []}
@@ -300,7 +320,7 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
         kw = {"encoder_hidden_states": table[rows].to(device, compute_dtype)}
         if pooled_table is not None:
             kw["added_cond_kwargs"] = {"text_embeds": pooled_table[rows].to(device, compute_dtype),
-                                       "time_ids": _time_ids(n, latent_size).to(device, compute_dtype)}
+                                       "time_ids": _time_ids(n, latent_size, fixed_ids).to(device, compute_dtype)}
         with amp():
             eps = unet_call(teacher, dict(sample=x.to(device, compute_dtype), timestep=t.to(device), **kw))
         rec["x"].append(x.detach().float().cpu())
@@ -359,7 +379,8 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
     n = group.shape[0]
     return InputBank(x=torch.cat(rec["x"]), t=torch.cat(rec["t"]), ctx=torch.cat(rec["ctx"]), contexts=table,
                      eps=torch.cat(rec["eps"]), group=group, is_eval=held[group],
-                     pooled=pooled_table, time_ids=_time_ids(n, latent_size) if pooled_table is not None else None)
+                     pooled=pooled_table,
+                     time_ids=_time_ids(n, latent_size, fixed_ids) if pooled_table is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- activation store

@@ -16,9 +16,10 @@ seed) and conditioning:
   effect uses synthetic ControlNet-like residuals (smooth random fields scaled to each skip feature's RMS; a real
   ControlNet needs its own file and control image), identical for every row.
 
-Conditioning: the checkpoint's own text encoder when it can run offline (the tiny shipped model), else embeddings
-from ``--embeddings`` (a safetensors file with ``context`` [T, D] and optional ``uncond``), else unconditional
-(zeros context); the result says which. Infinite PSNR (identical outputs) is written as the string ``"inf"`` in JSON.
+Conditioning: ``--prompt`` (and ``--negative``, default "") through the checkpoint's own text encoders (any SD1.5/SD2/
+SDXL checkpoint that carries them, as ComfyUI's CLIPTextEncode encodes; the tiny shipped model uses its own), or
+``--embeddings`` (a conditioning file: ``sdslim encode``'s, or ``context`` [T, D] with optional ``uncond``), else
+unconditional (zeros context); the result says which. Infinite PSNR (identical outputs) is written as the string ``"inf"`` in JSON.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from ..io.tensors import FileFormatError, LazyStateDict, read_header
 from ..modules.unet import load_diffusers_unet, open_checkpoint
 from ..ops import quant, sampling
 from ..ops.lora import merge_loras
+from ..text.conditioning import Conditioning, PromptEncoder, common_length, repeat_tokens
 from ..tiny import load_tiny_pipeline
 from ..train.augment import skip_rms, smooth_residuals
 from .fidelity import Candidates, Probe, compare as compare_with, forward_flops, jsonable, reference
@@ -59,42 +61,64 @@ def _mean(values):
 
 # --------------------------------------------------------------------------------------------- models
 
-def _unet_fn(unet, cfg: layout.UNetConfig, pooled=None, size=None):
-    """``fn(x, t, context)`` for the sampler; SDXL gets pooled text (zeros unless given) and size conditioning."""
+def _unet_fn(unet, cfg: layout.UNetConfig, cond):
+    """``fn(x, t, context)`` for the sampler; SDXL gets each row's pooled text (the negative prompt's on the rows
+    that hold its context; zeros when none is known) and the size conditioning (``cond.time_ids``, else the
+    latent size × 8)."""
     if not cfg.adm_in_channels:
         return sampling.diffusers_fn(unet)
+    p_dim = cfg.adm_in_channels - 6 * 256
 
     def fn(x, t, context, **residuals):
         b = x.shape[0]
-        h, w = size or (x.shape[-2] * 8, x.shape[-1] * 8)
-        text = pooled if pooled is not None else torch.zeros(1, cfg.adm_in_channels - 6 * 256)
-        time_ids = torch.tensor([[h, w, 0, 0, h, w]], dtype=x.dtype).expand(b, 6)
-        cond = {"text_embeds": text.to(x).expand(b, -1), "time_ids": time_ids.to(x.device)}
-        return unet(x, t, encoder_hidden_states=context, added_cond_kwargs=cond, **residuals).sample
+        pooled = cond.pooled if cond.pooled is not None else torch.zeros(1, p_dim)
+        text = pooled.to(x).expand(b, -1).clone()
+        if cond.uncond is not None and cond.uncond_pooled is not None:
+            unc = cond.uncond.to(context)[0]
+            rows = [i for i in range(b) if context[i].shape == unc.shape and torch.equal(context[i], unc)]
+            text[rows] = cond.uncond_pooled.to(x)
+        if cond.time_ids is not None:
+            time_ids = cond.time_ids.to(x).reshape(1, 6).expand(b, 6)
+        else:
+            h, w = x.shape[-2] * 8, x.shape[-1] * 8
+            time_ids = torch.tensor([[h, w, 0, 0, h, w]], dtype=x.dtype, device=x.device).expand(b, 6)
+        added = {"text_embeds": text, "time_ids": time_ids}
+        return unet(x, t, encoder_hidden_states=context, added_cond_kwargs=added, **residuals).sample
     return fn
 
 
 # ---------------------------------------------------------------------------------------- conditioning
 
-def _load_embeddings(path, cfg) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _load_embeddings(path, cfg) -> Conditioning:
+    """The first row of a conditioning file (``sdslim encode``'s, or 'context' [tokens, dim] + optional 'uncond',
+    'pooled', 'uncond_pooled', 'time_ids'), context and uncond brought to one length."""
     lazy = LazyStateDict(path)
     if "context" not in lazy:
         raise FileFormatError(f"{path}: an embeddings file needs a 'context' tensor [tokens, {cfg.context_dim}] "
-                              f"(optional 'uncond' of the same shape); found {sorted(lazy)[:5]}")
-    context = lazy["context"].float()
-    context = context[None] if context.ndim == 2 else context
+                              f"(optional 'uncond'); found {sorted(lazy)[:5]}")
+    cond = Conditioning.load(path)
+    context = cond.context[:1]
     if context.ndim != 3 or context.shape[-1] != cfg.context_dim:
-        raise FileFormatError(f"{path}: 'context' has shape {tuple(context.shape)}, the UNet needs "
+        raise FileFormatError(f"{path}: 'context' has shape {tuple(cond.context.shape)}, the UNet needs "
                               f"[tokens, {cfg.context_dim}]")
-    uncond = None
-    if "uncond" in lazy:
-        uncond = lazy["uncond"].float()
-        uncond = uncond[None] if uncond.ndim == 2 else uncond
-        if uncond.shape != context.shape:
-            raise FileFormatError(f"{path}: 'uncond' {tuple(uncond.shape)} differs from 'context' "
-                                  f"{tuple(context.shape)}")
-    pooled = lazy["pooled"].float().reshape(1, -1) if "pooled" in lazy else None
-    return context[:1], None if uncond is None else uncond[:1], pooled
+    uncond = cond.uncond
+    if uncond is not None:
+        if uncond.shape[-1] != cfg.context_dim:
+            raise FileFormatError(f"{path}: 'uncond' {tuple(uncond.shape)} does not have the context's width "
+                                  f"{cfg.context_dim}")
+        length = common_length([context.shape[1], uncond.shape[1]])
+        context, uncond = repeat_tokens(context, length), repeat_tokens(uncond[:1], length)
+    pooled = None if cond.pooled is None else cond.pooled.reshape(-1, cond.pooled.shape[-1])[:1]
+    return Conditioning(context, uncond, pooled, cond.uncond_pooled, cond.time_ids, cond.info)
+
+
+def _encode_prompt(path, cfg, prompt, negative, text_options) -> Conditioning:
+    """The prompt and its negative through the checkpoint's own text encoders; CFG rows at one length."""
+    cond = PromptEncoder(path, cfg.family, **(text_options or {})).encode([prompt], negative)
+    cond.time_ids = None                                  # the size conditioning follows the sampled latents
+    length = common_length([cond.context.shape[1], cond.uncond.shape[1]])
+    cond.context, cond.uncond = repeat_tokens(cond.context, length), repeat_tokens(cond.uncond, length)
+    return cond
 
 
 def _generic_vae(path: Path, entries: dict, family: str):
@@ -127,16 +151,17 @@ def _generic_vae(path: Path, entries: dict, family: str):
 class _Setup:
     """Everything the comparison needs from the checkpoint: teacher UNet, conditioning, schedule, decoder."""
 
-    def __init__(self, ckpt, prompt, embeddings, guidance, latent_size, device):
+    def __init__(self, ckpt, prompt, negative, embeddings, guidance, latent_size, device, text_options=None):
         path = Path(ckpt)
         if path.is_file() and path.suffix.lower() == ".safetensors":
             _, meta = read_header(path)
             if meta.get("sdslim.slim") == "1":
                 raise FileFormatError(f"{path}: this is a slim checkpoint; eval compares the original checkpoint "
                                       "with its slim form: pass the original --ckpt and the --adapters")
+        if prompt is not None and embeddings:
+            raise ValueError("give --prompt or --embeddings, not both")
         self.checkpoint = open_checkpoint(ckpt)
         cfg = self.cfg = self.checkpoint.config
-        self.pooled = None
         self.decode, self.image_note = None, None
         if TINY_META in self.checkpoint.metadata:
             pipe = load_tiny_pipeline(self.checkpoint.path)
@@ -145,17 +170,14 @@ class _Setup:
             self.latent_size = latent_size or pipe.latent_size
             self.decode = pipe.decode
             if embeddings:
-                self.context, self.uncond, self.pooled = _load_embeddings(embeddings, cfg)
+                self.cond = _load_embeddings(embeddings, cfg)
                 self.conditioning = f"embeddings from {embeddings}"
             else:
                 prompt = DEFAULT_PROMPT if prompt is None else prompt
-                self.context, self.uncond = pipe.encode_prompt([prompt]), pipe.encode_prompt([""])
+                self.cond = Conditioning(pipe.encode_prompt([prompt]), pipe.encode_prompt([negative]))
                 self.conditioning = f"the checkpoint's own (tiny) text encoder, prompt {prompt!r}"
-            self.guidance = 4.0 if guidance is None else guidance
+            default_guidance = 4.0
         else:
-            if prompt is not None:
-                raise ValueError("--prompt needs a text encoder that runs offline; this checkpoint's CLIP needs its "
-                                 "tokenizer files, which sdslim does not download: pass --embeddings FILE instead")
             self.teacher = load_diffusers_unet(self.checkpoint.weights, cfg, dtype=torch.float32).eval()
             self.schedule = sampling.Schedule()
             self.latent_size = latent_size or {"sd15": 64, "sd2": 96, "sdxl": 128}[cfg.family]
@@ -165,20 +187,24 @@ class _Setup:
                 sf = vae.config.scaling_factor
                 self.decode = lambda z: ((vae.to(z.device).decode(z / sf).sample + 1) / 2).clamp(0, 1)
             if embeddings:
-                self.context, self.uncond, self.pooled = _load_embeddings(embeddings, cfg)
+                self.cond = _load_embeddings(embeddings, cfg)
                 self.conditioning = f"embeddings from {embeddings}"
-                self.guidance = (7.5 if self.uncond is not None else 1.0) if guidance is None else guidance
+            elif prompt is not None:
+                self.cond = _encode_prompt(ckpt, cfg, prompt, negative, text_options)
+                self.conditioning = (f"the checkpoint's own text encoders, prompt {prompt!r}, negative {negative!r} "
+                                     f"(tokenizer: {self.cond.info['tokenizer']})")
             else:
-                self.context, self.uncond = torch.zeros(1, 77, cfg.context_dim), None
-                self.conditioning = ("unconditional: zeros context [1, 77, %d]; the checkpoint's CLIP text encoder "
-                                     "needs tokenizer files that are not available offline, so pass --embeddings "
-                                     "FILE.safetensors to condition" % cfg.context_dim)
-                self.guidance = 1.0 if guidance is None else guidance
-        if self.uncond is None and self.guidance != 1.0:
+                self.cond = Conditioning(torch.zeros(1, 77, cfg.context_dim), None)
+                self.conditioning = ("unconditional: zeros context [1, 77, %d]; pass --prompt (encoded by the "
+                                     "checkpoint's own text encoders) or --embeddings FILE to condition"
+                                     % cfg.context_dim)
+            default_guidance = 7.5 if self.cond.uncond is not None else 1.0
+        self.guidance = default_guidance if guidance is None else guidance
+        if self.cond.uncond is None and self.guidance != 1.0:
             raise ValueError("classifier-free guidance needs an unconditional embedding ('uncond' in --embeddings)")
         self.teacher = self.teacher.to(device).requires_grad_(False)
-        self.context = self.context.to(device)
-        self.uncond = None if self.uncond is None else self.uncond.to(device)
+        self.context = self.cond.context.to(device)
+        self.uncond = None if self.cond.uncond is None else self.cond.uncond.to(device)
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -217,16 +243,18 @@ def _ladder_row(label, r: dict, weights: dict, method, flops: float, teacher_par
 def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 20, method: str = "ddim",
              guidance: float | None = None, prompt: str | None = None, embeddings=None, png=None,
              latent_size: int | None = None, eps_points: int = 5, select: float = 1.0, device: str = "cpu",
-             compare: Sequence[str] = ()) -> dict:
+             compare: Sequence[str] = (), negative: str = "", text_options: dict | None = None) -> dict:
     """Compare the teacher (``ckpt``) with its slim form (``adapters`` folded), with ``loras`` for the LoRA-effect
-    cosine, and with each ``compare`` alternative (:data:`COMPARE`) in the ladder; returns a dict."""
+    cosine, and with each ``compare`` alternative (:data:`COMPARE`) in the ladder; returns a dict. ``prompt`` and
+    ``negative`` are encoded by the checkpoint's own text encoders (``text_options``: ``tokenizer``,
+    ``clip_skip`` of :class:`~sdslim_core.text.conditioning.PromptEncoder`)."""
     if seeds < 1:
         raise ValueError("--seeds must be at least 1")
     unknown = sorted(set(compare) - set(COMPARE))
     if unknown:
         raise ValueError(f"--compare: unknown {unknown}; choose from {', '.join(COMPARE)}")
     t0 = time.perf_counter()
-    setup = _Setup(ckpt, prompt, embeddings, guidance, latent_size, device)
+    setup = _Setup(ckpt, prompt, negative, embeddings, guidance, latent_size, device, text_options)
     cfg = setup.cfg
     aset = adapters if isinstance(adapters, AdapterSet) else AdapterSet.load(adapters)
     if select < 1.0:
@@ -240,7 +268,7 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
     cands = Candidates(setup.teacher, cfg, weights, merged)
 
     def fn_of(unet):
-        return _unet_fn(unet, cfg, setup.pooled)
+        return _unet_fn(unet, cfg, setup.cond)
     noise = torch.cat([torch.randn(1, cfg.in_channels, setup.latent_size, setup.latent_size,
                                    generator=torch.Generator().manual_seed(s)) for s in range(seeds)]).to(device)
     context = setup.context.expand(seeds, -1, -1)

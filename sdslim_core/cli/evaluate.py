@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..io.lora_files import parse_lora_arg
+from .encode import add_text_arguments
 
 
 def run(args) -> int:
@@ -11,7 +12,9 @@ def run(args) -> int:
     loras = [parse_lora_arg(x) for x in args.lora]
     png = None if args.no_png else args.png
     result = evaluate(args.ckpt, args.adapters, loras, seeds=args.seeds, steps=args.steps, method=args.method,
-                      guidance=args.guidance, prompt=args.prompt, embeddings=args.embeddings, png=png,
+                      guidance=args.guidance, prompt=args.prompt, negative=args.negative,
+                      text_options={"tokenizer": args.tokenizer, "clip_skip": args.clip_skip},
+                      embeddings=args.embeddings, png=png,
                       latent_size=args.latent_size, select=args.select, device=args.device,
                       compare=[] if args.compare in ("", "none") else args.compare.split(","))
     if args.json:
@@ -37,9 +40,11 @@ def register(sub):
     p.add_argument("--method", choices=("ddim", "euler"), default="ddim", help="sampler, default ddim")
     p.add_argument("--guidance", type=float, default=None,
                    help="classifier-free guidance (default 4 with the tiny model's text encoder, 7.5 with "
-                        "--embeddings that have 'uncond', else 1)")
-    p.add_argument("--prompt", default=None, help="prompt for a checkpoint whose text encoder runs offline (the tiny "
-                                                  "model); default %r" % "a red circle on a blue background")
+                        "--prompt or --embeddings that have 'uncond', else 1)")
+    p.add_argument("--prompt", default=None, help="prompt, encoded by the checkpoint's own text encoder(s) (default "
+                                                  "for the tiny model %r; without it or --embeddings, other "
+                                                  "checkpoints run unconditionally)" % "a red circle on a blue background")
+    add_text_arguments(p)
     p.add_argument("--embeddings", default=None, metavar="FILE.safetensors",
                    help="conditioning: 'context' [tokens, dim] and optional 'uncond' (and 'pooled' for SDXL)")
     p.add_argument("--latent-size", type=int, default=None, help="latent side (default: the model's native size)")

@@ -2,7 +2,7 @@
 
     sdslim train --ckpt PATH --out ADAPTERS [--ratio 0.5 | --ff-rank N --res-ratio R | --budget X]
                  [--steps N] [--stage1-steps N --stage2-steps N] [--prompts FILE | --prompt TEXT ...]
-                 [--embeddings FILE] [--latents DIR] [--images DIR] [--device D] [--resume] [--work-dir DIR]
+                 [--negative TEXT] [--clip-skip N] [--tokenizer DIR] [--embeddings FILE] [--latents DIR] [--images DIR] [--device D] [--resume] [--work-dir DIR]
                  [--json]
 
 Multi-GPU: ``accelerate launch --multi_gpu --num_processes N -m sdslim_core.cli train ...`` (stage 1 shards the
@@ -10,9 +10,12 @@ sites over the processes, stage 2 is data-parallel).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from .encode import add_text_arguments, prompt_encoder, read_prompts
 
 
 def register(subparsers):
@@ -29,6 +32,10 @@ def register(subparsers):
     r.add_argument("--ff-rank", type=int, help="rank of every FF site (capped at its width)")
     r.add_argument("--ff-ratio", type=float, help="width fraction of FF sites")
     r.add_argument("--res-ratio", type=float, help="width fraction of ResBlock sites")
+    r.add_argument("--allocation", choices=("anchored", "e2e", "site"),
+                   help="what allocated ranks are spent on: anchored (default: the site's own error curve scaled to "
+                        "whole-UNet errors measured at 2 ranks), e2e (whole-UNet error at every grid rank: ~5x "
+                        "the UNet forwards), site (the site's own error only)")
     r.add_argument("--budget", help="target slim UNet size: parameters (600M) or weight bytes (1.2GB, fp16); ranks "
                                     "are allocated per site from measured error-vs-rank curves")
     s = p.add_argument_group("steps")
@@ -40,9 +47,12 @@ def register(subparsers):
     s.add_argument("--batch", type=int, help="stage-2 UNet inputs per step and process (default 1)")
     s.add_argument("--feature-loss", type=float, help="weight of the normalised per-site feature loss in stage 2")
     c = p.add_argument_group("calibration data (default: the unconditional zero context)")
-    c.add_argument("--prompts", help="text file, one prompt per line (needs a text encoder sdslim can run offline)")
+    c.add_argument("--prompts", help="text file, one prompt per line, encoded by the checkpoint's own text "
+                                     "encoder(s) as ComfyUI's CLIPTextEncode does")
     c.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    c.add_argument("--embeddings", help="safetensors with 'context' [K,tokens,dim] (+ optional 'uncond', 'pooled')")
+    add_text_arguments(c)
+    c.add_argument("--embeddings", help="conditioning file (sdslim encode's, or 'context' [K,tokens,dim] + optional "
+                                        "'uncond', 'pooled', 'uncond_pooled', 'time_ids')")
     c.add_argument("--latents", help="folder of safetensors latents, noised at random timesteps")
     c.add_argument("--images", help="folder of images, encoded by the checkpoint's VAE (tiny checkpoints)")
     c.add_argument("--trajectories", type=int, help="teacher sampling runs (default 16)")
@@ -70,16 +80,6 @@ def register(subparsers):
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.set_defaults(func=cmd_train)
-
-
-def _prompts(args) -> list[str]:
-    out = list(args.prompt or [])
-    if args.prompts:
-        path = Path(args.prompts)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no such prompts file")
-        out += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return out
 
 
 def _tiny_pipeline(ckpt):
@@ -110,15 +110,13 @@ def build_calibration(args, ckpt, pipe):
     from ..ops import sampling
     from ..train.calibration import Calibration
     schedule = pipe.schedule if pipe is not None else sampling.Schedule()
-    prompts = _prompts(args)
+    prompts = read_prompts(args.prompt, args.prompts)
     base = None
-    if prompts:
-        if pipe is None:
-            raise ValueError("--prompt/--prompts need a text encoder sdslim can run offline; this checkpoint has "
-                             "none it can use (only the tiny sdslim models ship one). Pass --embeddings FILE (a "
-                             "safetensors with 'context' [K,77,dim] from your UI or diffusers), or nothing for the "
-                             "unconditional context")
-        base = Calibration.from_prompts(prompts, pipe.encode_prompt, schedule=schedule)
+    if prompts and pipe is not None:
+        base = Calibration.from_prompts(prompts, pipe.encode_prompt, negative=args.negative, schedule=schedule)
+    elif prompts:                        # the size conditioning follows the calibration latents (latent size × 8)
+        cond = prompt_encoder(args.ckpt, ckpt.config.family, args).encode(prompts, args.negative)
+        base = Calibration.from_conditioning(dataclasses.replace(cond, time_ids=None), schedule=schedule)
     if args.embeddings:
         emb = Calibration.from_embeddings_file(args.embeddings, schedule=schedule)
         if base is not None:
@@ -142,7 +140,6 @@ def build_calibration(args, ckpt, pipe):
             raise ValueError("--images needs the checkpoint's VAE, which sdslim can only run for the tiny sdslim "
                              "models; encode your images to latents with your UI and pass --latents DIR")
         latents = pipe.encode(_read_images(args.images, pipe.image_size))
-        import dataclasses
         return dataclasses.replace(base, latents=latents,
                                    description=dict(base.description, images=Path(args.images).name,
                                                     n_latents=int(latents.shape[0])))
@@ -159,7 +156,7 @@ def config_from_args(args, pipe=None, log=None):
                        ("n_trajectories", "trajectories"), ("sample_steps", "sample_steps"),
                        ("guidance", "guidance"), ("latent_size", "latent_size"), ("ram_budget_gb", "ram_budget"),
                        ("checkpoint_every", "checkpoint_every"), ("res_maps", "res_maps"),
-                       ("ff_tokens", "ff_tokens"), ("calib_dtype", "calib_dtype")):
+                       ("ff_tokens", "ff_tokens"), ("calib_dtype", "calib_dtype"), ("allocation", "allocation")):
         v = getattr(args, attr, None)
         if v is not None:
             kw[name] = v

@@ -7,7 +7,7 @@ import re
 
 # Only these fields change what a run computes; a --resume refuses a work dir made with other values.
 _RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform", "budget_by", "allocation",
-               "alloc_inputs",
+               "alloc_inputs", "alloc_anchors",
                "budget_bytes_per_param", "stage1_steps", "stage2_steps", "ff_batch_tokens", "res_batch",
                "stage2_batch", "lr1", "lr2", "p0", "p_full_at", "feature_loss", "guided_loss", "control_prob",
                "lora_prob", "lora_scale", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance",
@@ -34,9 +34,13 @@ class TrainConfig:
     uniform: bool = False                  # --ratio R: every site at R instead of R's parameters allocated
     budget_by: str = "params"              # what --ratio R's budget holds fixed while ranks are allocated: the
                                            # parameters of uniform R ("params") or its forward FLOPs ("flops")
-    allocation: str = "e2e"                # error a budget is spent on: "e2e" = whole-UNet eps error with the site
-                                           # slimmed alone (held-out inputs), "site" = the site's own output error
-    alloc_inputs: int = 32                 # held-out UNet inputs of each e2e measurement
+    allocation: str = "anchored"           # error a budget is spent on: "e2e" = whole-UNet eps error with the site
+                                           # slimmed alone (held-out inputs) at every grid rank; "anchored" = the
+                                           # site's own error curve scaled to e2e errors measured at
+                                           # ``alloc_anchors`` ranks (a few UNet forwards per site instead of one
+                                           # batch per grid rank); "site" = the site's own output error
+    alloc_anchors: int = 2                 # e2e-measured ranks per site under "anchored" (1 or 2)
+    alloc_inputs: int = 16                 # held-out UNet inputs of each e2e measurement
     rank_grid: tuple = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
     # ---- calibration ----
     n_trajectories: int = 16               # teacher sampling runs (noise seeds × conditionings)
@@ -101,8 +105,10 @@ class TrainConfig:
             raise ValueError(f"budget_by must be params or flops, got {self.budget_by!r}")
         if self.budget_by == "flops" and (self.ratio is None or self.budget is not None):
             raise ValueError("--budget-by flops holds the FLOPs of uniform --ratio fixed: give --ratio")
-        if self.allocation not in ("e2e", "site"):
-            raise ValueError(f"allocation must be e2e or site, got {self.allocation!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
+        if self.alloc_anchors not in (1, 2) or self.alloc_inputs < 1:
+            raise ValueError("alloc_anchors must be 1 or 2 and alloc_inputs at least 1")
         if self.ff_rank is not None and self.ff_ratio is not None:
             raise ValueError("give --ff-rank or --ff-ratio, not both")
         for name in ("ratio", "ff_ratio", "res_ratio"):
@@ -159,6 +165,7 @@ class TrainConfig:
 
 
 INIT_METHODS = ("obs", "act_select", "act_pca", "weight_svd", "select", "random")
+ALLOCATIONS = ("anchored", "e2e", "site")
 
 _PARAM_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}
 _BYTE_SUFFIX = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30,

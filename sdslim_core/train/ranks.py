@@ -137,10 +137,46 @@ def allocate(site_list: Iterable[layout.Site], shapes: Mapping[str, tuple], curv
     return ranks, info
 
 
+def anchor_ranks(grid: list[int], target: int, n: int) -> list[int]:
+    """The ``n`` (1 or 2) grid ranks an anchored curve is measured end to end at: the one nearest ``target`` and,
+    for two, the one nearest half of it (else the next one down or up)."""
+    if not grid:
+        return []
+    first = min(grid, key=lambda r: (abs(r - target), r))
+    if n == 1 or len(grid) == 1:
+        return [first]
+    others = [r for r in grid if r != first]
+    second = min(others, key=lambda r: (abs(r - first / 2), r))
+    return sorted({first, second})
+
+
+def anchored_curve(local: dict[int, float], measured: dict[int, float]) -> dict[int, float]:
+    """Squared end-to-end error at every rank of ``local`` (the site's own relative error per rank), from the
+    squared end-to-end errors ``measured`` at one or two anchor ranks: e2e² = k·local^(2a), with a = 1 for one
+    anchor and fitted in log space for two (clamped to [0.5, 2]); the anchors keep their measured values."""
+    pts = [(local[r], e) for r, e in measured.items() if local.get(r, 0) > 0 and e > 0]
+    if not pts:
+        return {r: measured.get(r, 0.0) for r in local}
+    a = 1.0
+    if len(pts) == 2 and pts[0][0] != pts[1][0]:
+        (l0, e0), (l1, e1) = pts
+        a = min(2.0, max(0.5, (math.log(e1) - math.log(e0)) / (2 * (math.log(l1) - math.log(l0)))))
+    k = math.exp(sum(math.log(e) - 2 * a * math.log(loc) for loc, e in pts) / len(pts))
+    return {r: measured[r] if r in measured else (k * local[r] ** (2 * a) if local[r] > 0 else 0.0) for r in local}
+
+
+def _target_rank(site: layout.Site, tc: TrainConfig) -> int:
+    return rank_policy.rank_for_ratio(site.width, tc.ratio if tc.ratio is not None else 0.5, site.kind)
+
+
 def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore") -> tuple[dict, dict]:
     """Ranks per site: explicit (``--uniform``, per-kind values) or allocated under the parameter budget
     (``--budget``, or the parameters of uniform ``--ratio``) from measured cost-vs-rank curves (one
-    ``init/curve-<index>.json`` per site, kept for a resumed run); returns (ranks, allocation info)."""
+    ``init/curve-<index>.json`` per site, kept for a resumed run); returns (ranks, allocation info).
+
+    Curves by ``tc.allocation``: ``e2e`` measures the whole-UNet error at every grid rank; ``anchored`` (default)
+    measures it at ``tc.alloc_anchors`` ranks and scales the site's own error curve to them
+    (:func:`anchored_curve`); ``site`` uses the site's own error alone."""
     tc, site_list = session.tc, session.site_list
     if not tc.allocates():
         return ratio_ranks(site_list, tc), {}
@@ -161,13 +197,18 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
                 curve = {r: e * e for r, e in si.curve(grids[site], method).items()}
             else:
                 teacher = session.placement.on_device()
-                curve = {}
-                for r in grids[site]:
+
+                def e2e(r):
                     one = AdapterSet(session.cfg.family, {site: si.tensors(method, r)},
                                      {site: rank_policy.res_groups(si.site.width, r)} if si.site.kind == "res"
                                      else {})
-                    curve[r] = sensitivity.e2e_error(teacher, one, bank, ids, session.device,
-                                                     session.compute_dtype, session.amp) ** 2
+                    return sensitivity.e2e_error(teacher, one, bank, ids, session.device, session.compute_dtype,
+                                                 session.amp) ** 2
+                if tc.allocation == "e2e":
+                    curve = {r: e2e(r) for r in grids[site]}
+                else:
+                    anchors = anchor_ranks(grids[site], _target_rank(si.site, tc), tc.alloc_anchors)
+                    curve = anchored_curve(si.curve(grids[site], method), {r: e2e(r) for r in anchors})
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(curve))
             tmp.replace(path)

@@ -68,7 +68,10 @@ def execute(session: Session) -> TrainResult:
         r0 = ranks_mod.ratio_ranks(session.site_list, tc)
         vram_info = predict_for(session, r0, stage2.resolve_groups(session, r0))
     bank, store = cal.calibrate(session, fp)
+    t_ranks = time.perf_counter()
     ranks, budget_info = ranks_mod.choose_ranks(session, bank, store)
+    if tc.allocates():
+        session.timing["ranks_s"] = time.perf_counter() - t_ranks
     if not ranks:
         raise ValueError("no site would be slimmed with these settings (every rank is the full width)")
     if tc.vram_estimate and tc.allocates() and session.topo.main:
@@ -79,10 +82,14 @@ def execute(session: Session) -> TrainResult:
                                     work_dir=str(session.work_dir))
     stage1_total = tc.stage1_steps * len(session.owned_sites(aset_init.sites))
     session.progress.total = stage1_total + tc.stage2_steps
+    t_stage = time.perf_counter()
     aset_s1, err_s1, unet_err = _stage1(session, store, aset_init, err_init, bank)
+    session.timing["stage1_s"] = time.perf_counter() - t_stage
     if tc.stage2_steps > 0:
+        t_stage = time.perf_counter()
         groups = stage2.resolve_groups(session, aset_init.ranks())
         tensors2, _, after = stage2.run_stage2(session, aset_s1, bank, groups, shown=stage1_total)
+        session.timing["stage2_s"] = time.perf_counter() - t_stage
         final = session.ordered(AdapterSet(session.cfg.family, tensors2, aset_init.norm_groups))
         unet_err["stage2"] = after
         site_err = site_errors(session, store, final)

@@ -264,7 +264,9 @@ def unet_call(unet, inputs: dict) -> torch.Tensor:
     return out.sample if hasattr(out, "sample") else out
 
 
-def _time_ids(n: int, latent: int) -> torch.Tensor:
+def sdxl_time_ids(n: int, latent: int) -> torch.Tensor:
+    """SDXL's added-conditioning ids [n, 6] of a square ``latent``: (height, width, crop top, crop left, target
+    height, target width) in pixels, crop 0."""
     px = float(latent * 8)
     return torch.tensor([[px, px, 0.0, 0.0, px, px]]).repeat(n, 1)
 
@@ -300,7 +302,7 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
         kw = {"encoder_hidden_states": table[rows].to(device, compute_dtype)}
         if pooled_table is not None:
             kw["added_cond_kwargs"] = {"text_embeds": pooled_table[rows].to(device, compute_dtype),
-                                       "time_ids": _time_ids(n, latent_size).to(device, compute_dtype)}
+                                       "time_ids": sdxl_time_ids(n, latent_size).to(device, compute_dtype)}
         with amp():
             eps = unet_call(teacher, dict(sample=x.to(device, compute_dtype), timestep=t.to(device), **kw))
         rec["x"].append(x.detach().float().cpu())
@@ -359,7 +361,7 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
     n = group.shape[0]
     return InputBank(x=torch.cat(rec["x"]), t=torch.cat(rec["t"]), ctx=torch.cat(rec["ctx"]), contexts=table,
                      eps=torch.cat(rec["eps"]), group=group, is_eval=held[group],
-                     pooled=pooled_table, time_ids=_time_ids(n, latent_size) if pooled_table is not None else None)
+                     pooled=pooled_table, time_ids=sdxl_time_ids(n, latent_size) if pooled_table is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- activation store

@@ -65,6 +65,7 @@ GRADIO = {
     "gradio/components/slider.py": ("gradio", ["Slider"]),
     "gradio/components/html.py": ("gradio", ["HTML"]),
     "gradio/components/button.py": ("gradio", ["Button"]),
+    "gradio/helpers.py": ("gradio", ["update"]),
 }
 KINDS = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY", "VAR_KEYWORD")
 

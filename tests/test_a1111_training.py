@@ -253,6 +253,8 @@ def test_sdxl_conditioning_pooled_slice_negative_and_size_embedding(webui):
     calib, notes = module._webui_calibration(sd_model, form, cfg, 256)
     assert torch.allclose(calib.uncond_pooled, enc.pooled(["blurry"]), atol=1e-6)
     assert len(notes) == 1 and "crop" in notes[0]
+    with pytest.raises(ValueError, match="refiner is not supported"):
+        a1111_training.calibration([], None, torch.zeros(1, 77, 1280), [], "", tiny_config("sdxl", 1280), 256)
     with pytest.raises(ValueError, match="vector of width 1600"):
         a1111_training.calibration([torch.zeros(77, 32)], torch.zeros(77, 32), torch.zeros(1, 77, 32), ["a"], "",
                                    cfg, 256)

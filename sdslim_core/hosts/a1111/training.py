@@ -30,6 +30,7 @@ from .lora import base_weights
 JOB = "sdslim-train"                    # shared.state.job while training
 SIZE_STEP = 64                          # image sizes are multiples of this (latents of 8: every UNet downsamples)
 TIME_EMBED_DIM = 256                    # width of each size/crop embedding in SDXL's vector
+REFINER_CONTEXT = 1280                  # the SDXL refiner's context width (base SDXL: 2048)
 _TEACHER_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -172,6 +173,9 @@ def calibration(conds: list, negative, empty: torch.Tensor, prompts, negative_te
     webui's ``cond_stage_model_empty_prompt``), which pads shorter contexts to the longest. ``pixels``: the image
     side the conditioning was made for. ``notes``: what the user should know (an SDXL size/crop mismatch).
     """
+    if cfg.adm_in_channels and cfg.context_dim == REFINER_CONTEXT:
+        raise ValueError("SD Slim training: the SDXL refiner is not supported (its added conditioning carries an "
+                         "aesthetic score the trainer does not model); train the base model")
     ctx = [_crossattn(c) for c in conds]
     unc = _crossattn(negative)
     empty = empty.detach().float().cpu().reshape(-1, empty.shape[-1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 FOLDER = "sdslim"
-WORK_FOLDER = "sdslim_work"
 EXTENSIONS = frozenset({".safetensors"})
 _HEADER_CHECKS: dict = {}
 
@@ -94,17 +93,12 @@ def output_path(folder_paths, filename: str) -> str:
 
     Only a plain file name (or a relative path without ``..``) is accepted; ``.safetensors`` is appended if missing.
     """
-    name = filename.strip()
-    if not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-        raise ValueError(f"sdslim: filename '{filename}' must be a relative name inside models/{FOLDER}")
-    if not name.endswith(".safetensors"):
-        name += ".safetensors"
-    return os.path.join(folder_paths.get_folder_paths(FOLDER)[0], name)
+    from sdslim_core.hosts import train_paths
+    return train_paths.adapter_output(folder_paths.get_folder_paths(FOLDER)[0], filename)
 
 
 def work_dir(folder_paths, adapter_path: str) -> str:
     """The Train node's work folder for ``adapter_path`` (from :func:`output_path`):
     ``<parent of models/sdslim>/sdslim_work/<name>.work``, outside the folders Slim UNet lists."""
-    root = folder_paths.get_folder_paths(FOLDER)[0]
-    rel = os.path.relpath(adapter_path, root)
-    return os.path.join(os.path.dirname(os.path.normpath(root)), WORK_FOLDER, rel + ".work")
+    from sdslim_core.hosts import train_paths
+    return train_paths.work_dir(folder_paths.get_folder_paths(FOLDER)[0], adapter_path)

@@ -8,19 +8,25 @@ weight (DoRA, OFT …) on a folded layer is folded in instead: the extension's m
 reads (in its functional mode, "Lora: use old method", each is un-merged right after, as its own forward does)
 before folding. In the functional mode the replaced originals are always un-merged, since their own forward, which
 would do it, does not run while they are swapped out. The original layers are kept and put back when SD Slim is off, when weights are loaded into the
-UNet, when another model is loaded, and after any error. The logic lives in ``sdslim_core``; this file is the webui
-shell. Forge is refused.
+UNet, when another model is loaded, and after any error. The *SD Slim* tab trains adapters for the loaded
+checkpoint (``sdslim_core.hosts.a1111.training``) under the webui's GPU call, with prompts encoded by the webui.
+The logic lives in ``sdslim_core``; this file is the webui shell. Forge is refused.
 """
 import importlib.util
 import os
+import shutil
 import sys
 
 import gradio as gr
+import torch
 
-from modules import devices, errors, paths, script_callbacks, scripts, sd_unet, shared, ui_common
+from modules import (call_queue, devices, errors, extra_networks, lowvram, paths, processing, progress, prompt_parser,
+                     script_callbacks, scripts, sd_unet, shared, ui_common)
 from sdslim_core.hosts.a1111 import lora as a1111_lora
 from sdslim_core.hosts.a1111 import params
+from sdslim_core.hosts.a1111 import training as a1111_training
 from sdslim_core.modules.live_slim import LiveSlim
+from sdslim_core.train import train_adapters
 from sdslim_core.vram import live as vram_live
 
 SECTION = ("sdslim", "SD Slim")
@@ -36,6 +42,7 @@ class _State:
     live = None                  # LiveSlim of the current UNet
     files = params.AdapterFiles()
     choices = []                 # adapter files found in ADAPTER_DIR
+    dropdowns = []               # the accordions' adapter dropdowns (txt2img, img2img), refreshed after a training
     measure = None               # vram_live.measure_peak over the current job
     report_html = "<p>No generation with SD Slim yet.</p>"
 
@@ -266,6 +273,7 @@ class SdSlimScript(scripts.Script):
             with gr.Row():
                 adapter = gr.Dropdown(choices=[params.FROM_SETTINGS, *_State.choices], value=params.FROM_SETTINGS,
                                       label="Adapter file", elem_id=self.elem_id("adapter"))
+                _State.dropdowns.append(adapter)
                 ui_common.create_refresh_button(
                     adapter, refresh_adapters, lambda: {"choices": [params.FROM_SETTINGS, *_State.choices]},
                     self.elem_id("refresh"))
@@ -327,6 +335,122 @@ def _paste_adapter(d):
     return found
 
 
+def _encode(sd_model, prompts, pixels, negative=False):
+    """The webui's conditioning of each prompt (its first schedule entry) for a ``pixels``² image: embeddings,
+    emphasis and SDXL's added conditioning as a generation computes them."""
+    batch = prompt_parser.SdConditioning(prompts, is_negative_prompt=negative, width=pixels, height=pixels)
+    with torch.no_grad(), devices.autocast():
+        return [schedule[0].cond for schedule in prompt_parser.get_learned_conditioning(sd_model, batch, 1)]
+
+
+def _webui_calibration(sd_model, form, cfg, pixels):
+    """The tab's prompts and negative prompt through the webui's own encoder, without LoRAs: their tags are removed
+    and the Lora extension's networks deactivated first, as the webui does before its empty-prompt conditioning."""
+    extra_networks.activate(processing.StableDiffusionProcessingTxt2Img(), {})
+    texts, _ = extra_networks.parse_prompts(list(form.prompts))
+    (negative,), _ = extra_networks.parse_prompts([form.negative])
+    conds = _encode(sd_model, texts, pixels)
+    uncond = _encode(sd_model, [negative], pixels, negative=True)[0]
+    empty = getattr(sd_model, "cond_stage_model_empty_prompt", None)
+    if empty is None:
+        first = _encode(sd_model, [""], pixels)[0]
+        empty = first["crossattn"] if isinstance(first, dict) else first
+    return a1111_training.calibration(conds, uncond, empty, texts, negative, cfg, pixels)
+
+
+def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename):
+    """The Train button, under the webui's GPU call: adapters for the loaded checkpoint into models/sdslim (resumed
+    from its work folder after an Interrupt), distilled from the UNet without LoRAs."""
+    form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename)
+    sd_model = shared.sd_model
+    out, work = form.paths(ADAPTER_DIR)
+    refusal = a1111_training.model_refusal(sd_model, FORGE, getattr(devices, "fp8", False)) \
+        or a1111_training.exists_refusal(out)
+    if refusal:
+        return _train_outputs(refusal)
+    restore_original("training", forget=False)      # the slim layers off; their folded cache is kept
+    unet = sd_model.model.diffusion_model
+    weights, cfg = a1111_training.teacher(unet)
+    pixels = form.pixels(cfg)
+    job = a1111_training.JobProgress(shared.state)
+    job.say("encoding the prompts")
+    calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
+    if getattr(sd_model, "lowvram", False):
+        lowvram.send_everything_to_cpu()            # --medvram/--lowvram: the webui's modules leave the GPU
+    job.say("calibrating: the teacher's own sampling runs")
+    options = form.options(cfg, next(unet.parameters()).dtype, str(devices.device))
+    try:
+        result = train_adapters(weights, cfg, calib, out_path=out, progress=job, resume="auto", work_dir=work,
+                                log=job.say, **options)
+    except a1111_training.Interrupted:
+        text = a1111_training.interrupted_text(job, work)
+        _log(text)
+        return _train_outputs(text)
+    shutil.rmtree(work, ignore_errors=True)
+    refresh_adapters()
+    _log(f"adapters written to {out}")
+    return _train_outputs(a1111_training.finished_text(out, result.report, notes), refreshed=True)
+
+
+def _train_outputs(text, refreshed=False):
+    """The Train event's outputs: the report, the accordions' dropdowns (new choices after a training), the HTML
+    the webui's GPU call appends its timing (or an error) to."""
+    update = gr.update(choices=[params.FROM_SETTINGS, *_State.choices]) if refreshed else gr.update()
+    return (text, *[update] * len(_State.dropdowns), "")
+
+
+def _train_click(gpu_train):
+    """The Train click: refused while another job runs (instead of waiting for the queue lock), else ``gpu_train``."""
+    def click(id_task, *values):
+        refusal = a1111_training.busy(shared.state)
+        if refusal:
+            progress.finish_task(id_task)           # ends the progress bar the page started for this click
+            return _train_outputs(refusal)
+        return gpu_train(id_task, *values)
+    return click
+
+
+def _interrupt():
+    shared.state.interrupt()
+
+
+def _train_tab():
+    """The SD Slim tab: prompts in, an adapter file for the loaded checkpoint out."""
+    with gr.Blocks(analytics_enabled=False) as tab:
+        with gr.Row():
+            with gr.Column():
+                task = gr.Textbox(visible=False, elem_id="sdslim_train_task")
+                prompts = gr.Textbox(label="Prompts, one per line (what you generate with)", lines=6,
+                                     elem_id="sdslim_train_prompts")
+                negative = gr.Textbox(label="Negative prompt", lines=2, elem_id="sdslim_train_negative")
+                with gr.Row():
+                    ratio = gr.Slider(minimum=0.05, maximum=1.0, step=0.05, value=0.5, elem_id="sdslim_train_ratio",
+                                      label="Ratio (the parameters of this width fraction, spent where they matter)")
+                    budget = gr.Textbox(label="Budget instead of a ratio (600M parameters, or 1.2GB of fp16 weights)",
+                                        elem_id="sdslim_train_budget")
+                with gr.Row():
+                    steps = gr.Number(value=0, precision=0, elem_id="sdslim_train_steps",
+                                      label="Steps (0: 400 per site, then 1000 on the whole UNet)")
+                    size = gr.Slider(minimum=0, maximum=2048, step=a1111_training.SIZE_STEP, value=0,
+                                     label="Image size (0: the model's native)", elem_id="sdslim_train_size")
+                    seed = gr.Number(value=0, precision=0, label="Seed", elem_id="sdslim_train_seed")
+                filename = gr.Textbox(value="my_adapters", label="Output file (in models/sdslim)",
+                                      elem_id="sdslim_train_filename")
+                with gr.Row():
+                    interrupt = gr.Button(value="Interrupt", elem_id="sdslim_train_interrupt")
+                    start = gr.Button(value="Train", variant="primary", elem_id="sdslim_train_start")
+            with gr.Column():
+                report = gr.Textbox(label="Report", lines=24, interactive=False, elem_id="sdslim_train_output")
+                gr.HTML(value="", elem_id="sdslim_train_progress")
+                result = gr.HTML(value="", elem_id="sdslim_train_result")
+        gpu_train = call_queue.wrap_gradio_gpu_call(train, extra_outputs=[gr.update()] * (1 + len(_State.dropdowns)))
+        start.click(fn=_train_click(gpu_train), _js="sdslim_start_training",
+                    inputs=[task, prompts, negative, ratio, budget, steps, size, seed, filename],
+                    outputs=[report, *_State.dropdowns, result])
+        interrupt.click(fn=_interrupt, inputs=[], outputs=[])
+    return [(tab, "SD Slim", "sdslim_train")]
+
+
 def _on_model_loaded(sd_model):
     unet = getattr(getattr(sd_model, "model", None), "diffusion_model", None)
     if _State.live is not None and _State.live.unet is not unet:
@@ -344,6 +468,7 @@ os.makedirs(ADAPTER_DIR, exist_ok=True)
 refresh_adapters()
 _register_settings()            # now, so the settings API lists the options even without the UI (--nowebui)
 script_callbacks.on_ui_settings(_register_settings)
+script_callbacks.on_ui_tabs(_train_tab)
 script_callbacks.on_model_loaded(_on_model_loaded)
 script_callbacks.on_script_unloaded(_on_unload)
 script_callbacks.on_before_reload(_on_unload)

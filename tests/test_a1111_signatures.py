@@ -114,7 +114,10 @@ def test_standin_matches_recorded(webui, module_name):
             continue  # imported helper (dataclass, Any …)
         assert name in recorded, f"{module_name}.{name}: not in the recorded v1.10.1 names"
         entry = _resolve(module_name, name)
-        if inspect.isclass(value):
+        if inspect.isclass(value) and entry["kind"] == "value":
+            assert issubclass(value, tuple) and hasattr(value, "_fields"), \
+                f"{module_name}.{name}: a class here, a value upstream (only a namedtuple may be both)"
+        elif inspect.isclass(value):
             _check_class(f"{module_name}.{name}", value, entry)
         elif inspect.isfunction(value):
             assert entry["kind"] == "function", f"{module_name}.{name}: recorded as {entry['kind']}"
@@ -185,11 +188,22 @@ def test_script_calls_bind_to_recorded_signatures():
         f = node.func
         if isinstance(f.value, ast.Name) and f.value.id == "gr":
             assert f.attr in GRADIO, f"gr.{f.attr} was not recorded from gradio 3.41.2"
-            _bind(f"gr.{f.attr}", _recorded_signature(GRADIO[f.attr]["methods"]["__init__"]["params"], True), node)
+            entry = GRADIO[f.attr]
+            if f.attr == "update":          # gr.update(**kwargs): properties of the recorded components
+                known = {p[0] for e in GRADIO.values() if e["kind"] == "class" for p in e["methods"]["__init__"]["params"]}
+                unknown = {k.arg for k in node.keywords} - known
+                assert not node.args and not unknown, f"gr.update at line {node.lineno}: {unknown}"
+            elif entry["kind"] == "function":
+                _bind(f"gr.{f.attr}", _recorded_signature(entry["params"]), node)
+            else:
+                _bind(f"gr.{f.attr}", _recorded_signature(entry["methods"]["__init__"]["params"], True), node)
         elif isinstance(f.value, ast.Name) and f"modules.{f.value.id}" in WEBUI and f.attr in WEBUI[f"modules.{f.value.id}"]:
             entry = _resolve(f"modules.{f.value.id}", f.attr)
             if entry["kind"] == "function":
                 _bind(f"{f.value.id}.{f.attr}", _recorded_signature(entry["params"]), node)
+            elif entry["kind"] == "class" and "__init__" not in entry["methods"]:    # a dataclass: its fields
+                unknown = {k.arg for k in node.keywords} - _attributes(f"modules.{f.value.id}", entry)
+                assert not node.args and not unknown, f"{f.value.id}.{f.attr} at line {node.lineno}: {unknown}"
             elif entry["kind"] == "class":
                 _bind(f"{f.value.id}.{f.attr}", _recorded_signature(entry["methods"]["__init__"]["params"], True), node)
         elif isinstance(f.value, ast.Name) and f.value.id == "opts" and f.attr in options:
@@ -242,3 +256,31 @@ def test_the_lora_reader_reads_only_recorded_attributes():
             assert attr in set(entry["attributes"]) | shared, f"{cls}.{attr} is not in webui v1.10.1"
     assert {"dora_scale", "bias", "network", "network_key", "multiplier", "calc_scale"} <= shared
     assert "dyn_dim" in WEBUI["network"]["Network"]["attributes"]
+
+
+def test_training_reads_and_sets_only_recorded_job_state():
+    """sdslim_core.hosts.a1111.training and the script use ``shared.state`` by attribute: every field they read or
+    set, and every method the script calls on it, is one of v1.10.1's ``shared_state.State``."""
+    from sdslim_core.hosts.a1111 import training
+
+    state = WEBUI["modules.shared_state"]["State"]
+    used = set()
+
+    class Recorder:
+        def __getattr__(self, name):
+            used.add(name)
+            return 0
+
+        def __setattr__(self, name, value):
+            used.add(name)
+            object.__setattr__(self, name, value)
+    rec = Recorder()
+    job = training.JobProgress(rec)
+    job(1, 2, {"stage": 1, "loss": 0.5})
+    training.busy(rec)
+    assert {"job", "job_count", "job_no", "sampling_step", "sampling_steps", "textinfo", "interrupted"} <= used
+    assert used <= set(state["attributes"]), sorted(used - set(state["attributes"]))
+    for node in ast.walk(_script_tree()):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                and ast.unparse(node.value) == "shared.state":
+            assert node.attr in set(state["attributes"]) | set(state["methods"]), f"shared.state.{node.attr}"

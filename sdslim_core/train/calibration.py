@@ -279,9 +279,9 @@ def unet_call(unet, inputs: dict) -> torch.Tensor:
     return out.sample if hasattr(out, "sample") else out
 
 
-def _time_ids(n: int, latent: int, fixed: torch.Tensor | None = None) -> torch.Tensor:
-    """SDXL's size conditioning for ``n`` calls: ``fixed`` [1, 6], else (latent·8, latent·8, 0, 0, latent·8,
-    latent·8)."""
+def sdxl_time_ids(n: int, latent: int, fixed: torch.Tensor | None = None) -> torch.Tensor:
+    """SDXL's added-conditioning ids [n, 6]: ``fixed`` [1, 6] when given, else those of a square ``latent``
+    (height, width, crop top, crop left, target height, target width) in pixels, crop 0."""
     if fixed is not None:
         return fixed.reshape(1, 6).repeat(n, 1)
     px = float(latent * 8)
@@ -320,7 +320,7 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
         kw = {"encoder_hidden_states": table[rows].to(device, compute_dtype)}
         if pooled_table is not None:
             kw["added_cond_kwargs"] = {"text_embeds": pooled_table[rows].to(device, compute_dtype),
-                                       "time_ids": _time_ids(n, latent_size, fixed_ids).to(device, compute_dtype)}
+                                       "time_ids": sdxl_time_ids(n, latent_size, fixed_ids).to(device, compute_dtype)}
         with amp():
             eps = unet_call(teacher, dict(sample=x.to(device, compute_dtype), timestep=t.to(device), **kw))
         rec["x"].append(x.detach().float().cpu())
@@ -380,7 +380,7 @@ def build_inputs(teacher, cfg: layout.UNetConfig, calib: Calibration, tc, device
     return InputBank(x=torch.cat(rec["x"]), t=torch.cat(rec["t"]), ctx=torch.cat(rec["ctx"]), contexts=table,
                      eps=torch.cat(rec["eps"]), group=group, is_eval=held[group],
                      pooled=pooled_table,
-                     time_ids=_time_ids(n, latent_size, fixed_ids) if pooled_table is not None else None)
+                     time_ids=sdxl_time_ids(n, latent_size, fixed_ids) if pooled_table is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- activation store

@@ -78,18 +78,97 @@ def load_script():
     return module
 
 
-class FakeSdModel(nn.Module):
-    """What the script reads of the webui's ``shared.sd_model``: ``.model.diffusion_model`` and identification."""
+CHUNK = 77                  # tokens per prompt chunk: start, 75 words, end (padded with the end token's row)
 
-    def __init__(self, unet, name="tiny-a"):
+
+def _sgm_embedding(values, dim=256):
+    """sgm's timestep embedding of each value (cos, then sin, of value·10000^(-i/half)), as its size/crop
+    embedders apply it."""
+    half = dim // 2
+    freqs = torch.exp(-torch.log(torch.tensor(10000.0)) * torch.arange(half, dtype=torch.float32) / half)
+    args = values.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TextEncoder:
+    """A deterministic word-level text encoder over the tiny model's context width: each word (and the start and
+    end tokens) is a fixed random row; a prompt is chunks of 77 rows, and a batch is padded to its longest prompt
+    with the empty prompt's chunk, as the webui's CLIP hijack pads. ``pooled``: the width of a pooled output (the
+    mean of the word rows through a fixed projection), for SDXL."""
+
+    def __init__(self, dim, pooled=None):
+        self.dim, self.pooled_dim = dim, pooled
+        g = torch.Generator().manual_seed(99)
+        self.proj = None if pooled is None else torch.randn(dim, pooled, generator=g)
+
+    def row(self, word):
+        seed = int(hashlib.sha256(word.encode()).hexdigest()[:12], 16)
+        return torch.randn(self.dim, generator=torch.Generator().manual_seed(seed))
+
+    def chunks(self, text):
+        words = text.lower().replace(",", " ").split()
+        out = []
+        for i in range(0, max(1, len(words)), CHUNK - 2):
+            part = words[i:i + CHUNK - 2]
+            rows = [self.row("<start>"), *(self.row(w) for w in part)]
+            rows += [self.row("<end>")] * (CHUNK - len(rows))
+            out.append(torch.stack(rows))
+        return out
+
+    def __call__(self, texts):
+        per = [self.chunks(t) for t in texts]
+        n = max(len(c) for c in per)
+        empty = self.chunks("")[0]
+        return torch.stack([torch.cat(c + [empty] * (n - len(c))) for c in per])
+
+    def pooled(self, texts):
+        return torch.stack([torch.stack([self.row(w) for w in t.lower().split()] or [self.row("<end>")]).mean(0)
+                            @ self.proj for t in texts])
+
+
+class Conditioner:
+    """sgm's GeneralConditioner as the webui's SDXL model has it: ``crossattn`` from the text, ``vector`` the
+    pooled text output then the embeddings of original size, crop and target size; the text parts zero for the
+    keys in ``force_zero_embeddings``."""
+
+    def __init__(self, encoder):
+        self.encoder = encoder
+
+    def __call__(self, batch, force_zero_embeddings=()):
+        texts = list(batch["txt"])
+        crossattn, pooled = self.encoder(texts), self.encoder.pooled(texts)
+        if "txt" in force_zero_embeddings:
+            crossattn, pooled = torch.zeros_like(crossattn), torch.zeros_like(pooled)
+        sizes = [_sgm_embedding(batch[k].reshape(-1)).reshape(len(texts), -1)
+                 for k in ("original_size_as_tuple", "crop_coords_top_left", "target_size_as_tuple")]
+        return {"crossattn": crossattn, "vector": torch.cat([pooled, *sizes], dim=1)}
+
+
+class FakeSdModel(nn.Module):
+    """What the script reads of the webui's ``shared.sd_model``: ``.model.diffusion_model``, identification, and
+    ``get_learned_conditioning`` (SD1.5: a [B, T, D] context; ``sdxl=True``: sgm's dict through the webui's
+    ``sd_models_xl.get_learned_conditioning``), with the empty prompt's context the webui keeps for padding."""
+
+    def __init__(self, unet, name="tiny-a", sdxl=False, context_dim=32, pooled=64):
         super().__init__()
         self.model = nn.Module()
         self.model.diffusion_model = unet
-        self.is_sdxl = False
+        self.is_sdxl = sdxl
         self.lowvram = False
         self.sd_checkpoint_info = checkpoint(name, None)
         self.sd_model_hash = self.sd_checkpoint_info.shorthash
         self.sd_model_checkpoint = self.sd_checkpoint_info.filename
+        self.encoder = TextEncoder(context_dim, pooled if sdxl else None)
+        if sdxl:
+            self.conditioner = Conditioner(self.encoder)
+        empty = self.get_learned_conditioning([""])
+        self.cond_stage_model_empty_prompt = empty["crossattn"] if sdxl else empty
+
+    def get_learned_conditioning(self, texts):
+        if self.is_sdxl:
+            from modules import sd_models_xl
+            return sd_models_xl.get_learned_conditioning(self, texts)
+        return self.encoder(list(texts))
 
 
 def checkpoint(name, unet_state_dict):

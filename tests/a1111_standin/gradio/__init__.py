@@ -1,9 +1,12 @@
 """Stand-in for gradio 3.41 as used by extension UIs: components record their arguments; layouts are
 context managers; ``click`` records the wiring so tests can call the handler."""
 
+standin_created = []            # every component and layout, in creation order
+
 
 class _Block:
     def __init__(self, *args, **kwargs):
+        standin_created.append(self)
         self.args, self.kwargs = args, kwargs
         self.value = kwargs.get("value", self._positional_value(args))
         self.events = []
@@ -28,6 +31,22 @@ class Accordion(_Block):
 
 
 class Row(_Block):
+    pass
+
+
+class Column(_Block):
+    pass
+
+
+class Blocks(_Block):
+    pass
+
+
+class Textbox(_Block):
+    pass
+
+
+class Number(_Block):
     pass
 
 

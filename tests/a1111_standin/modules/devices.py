@@ -1,4 +1,6 @@
 """Stand-in for ``modules.devices`` (CPU)."""
+import contextlib
+
 import torch
 
 cpu = torch.device("cpu")
@@ -15,3 +17,8 @@ def torch_gc():
 def cond_cast_unet(input):
     """The UNet input cast of ``--upcast-sampling`` (identity here, as without it)."""
     return input.to(dtype_unet) if unet_needs_upcast else input
+
+
+def autocast(disable=False):
+    """The webui's autocast for inference (none on the CPU)."""
+    return contextlib.nullcontext()

@@ -25,6 +25,10 @@ def on_ui_settings(callback, *, name=None):
     _add("ui_settings", callback, name)
 
 
+def on_ui_tabs(callback, *, name=None):
+    _add("ui_tabs", callback, name)
+
+
 def on_model_loaded(callback, *, name=None):
     _add("model_loaded", callback, name)
 
@@ -39,6 +43,14 @@ def on_script_unloaded(callback, *, name=None):
 
 def ui_settings_callback():
     _fire("ui_settings")
+
+
+def ui_tabs_callback():
+    """The (component, title, elem_id) tuples every registered tab callback returns."""
+    res = []
+    for _, callback in standin_callbacks.get("ui_tabs", []):
+        res += callback() or []
+    return res
 
 
 def model_loaded_callback(sd_model):

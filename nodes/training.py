@@ -61,8 +61,9 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     bar = comfy.utils.ProgressBar(1)
 
     def progress(done, total, *_):
-        comfy.model_management.throw_exception_if_processing_interrupted()
-        bar.update_absolute(done, total)
+        comfy.model_management.throw_exception_if_processing_interrupted()   # every phase reports, not only steps
+        if total:
+            bar.update_absolute(done, total)
 
     weights, cfg = teacher(model)
     options: dict = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}

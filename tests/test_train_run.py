@@ -62,12 +62,16 @@ def test_errors_fall_stage_by_stage(reference):
     assert summary["act_select"]["mean_error"] < summary["weight_svd"]["mean_error"]
 
 
-def test_progress_reports_every_step(reference):
+def test_progress_reports_every_step_and_every_phase_before_them(reference):
     result, _, calls = reference
     n1 = FAST["stage1_steps"] * 28
-    assert [d for d, _, _ in calls] == list(range(1, n1 + FAST["stage2_steps"] + 1))
-    assert {n for _, n, _ in calls} == {n1 + FAST["stage2_steps"]}
-    assert [s for _, _, s in calls].count(2) == FAST["stage2_steps"]
+    steps = [c for c in calls if c[2] in (1, 2)]
+    assert [d for d, _, _ in steps] == list(range(1, n1 + FAST["stage2_steps"] + 1))
+    assert {n for _, n, _ in steps} == {n1 + FAST["stage2_steps"]}
+    assert [s for _, _, s in steps].count(2) == FAST["stage2_steps"]
+    phases = [s for _, _, s in calls[:calls.index(steps[0])]]        # a host can stop the run in each of them
+    assert phases.count("calibration") == FAST["n_trajectories"] // 4 and phases.count("init") == 28
+    assert "capture" in phases and set(phases) == {"calibration", "capture", "init"}
 
 
 def test_adapter_file_metadata_and_plot(reference):

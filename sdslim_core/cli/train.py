@@ -77,6 +77,11 @@ def register(subparsers):
     o.add_argument("--stage2-groups", default=None, help="train stage 2 in N site groups one after another (less "
                                                           "VRAM); default auto (from the GPU's memory)")
     o.add_argument("--no-vram-estimate", action="store_true", help="skip the VRAM prediction before training")
+    o.add_argument("--no-plan", action="store_true", help="skip the cost plan (UNet passes per phase, work folder "
+                                                          "size, ETA from a short warm-up) printed before training")
+    o.add_argument("--plan-only", action="store_true", help="print the cost plan and exit without training")
+    o.add_argument("--keep-work", action="store_true", help="keep <out>.work (calibration data, checkpoints) after a "
+                                                            "successful run (default: removed)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     p.set_defaults(func=cmd_train)
@@ -175,7 +180,7 @@ def config_from_args(args, pipe=None, log=None):
         kw["stage2_groups"] = "auto" if args.stage2_groups == "auto" else int(args.stage2_groups)
     return TrainConfig(device=args.device, seed=args.seed, work_dir=args.work_dir, optimizer=args.optimizer,
                        progress_bar=not args.no_progress, vram_estimate=not args.no_vram_estimate,
-                       log=log, **kw)
+                       plan=not args.no_plan, log=log, **kw)
 
 
 def cmd_train(args) -> int:
@@ -190,6 +195,11 @@ def cmd_train(args) -> int:
     pipe = _tiny_pipeline(ckpt)
     tc = config_from_args(args, pipe, log)
     calib = build_calibration(args, ckpt, pipe)
+    if args.plan_only:
+        from ..train.run import plan_run
+        plan = plan_run(ckpt, ckpt.config, calib, tc, args.out)
+        print(json.dumps(plan.to_dict()) if args.json else plan.text(), file=sys.stdout if args.json else sys.stderr)
+        return 0
     try:
         result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
     except CheckpointError as err:
@@ -203,6 +213,10 @@ def cmd_train(args) -> int:
     import os
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
+    if not args.keep_work:
+        import shutil
+        shutil.rmtree(result.report.work_dir, ignore_errors=True)
+        result.report.work_dir = ""
     if args.json:
         print(json.dumps(result.report.to_dict()))
     else:

@@ -545,7 +545,7 @@ def calibrate(session: "Session", fp: dict) -> tuple[InputBank, ActivationStore]
         progress.start_stage("calibration", tc.n_trajectories if sampled else tc.n_noised,
                              unit="traj" if sampled else "input")
         bank = build_inputs(teacher, session.cfg, session.calib, tc, session.device, session.compute_dtype,
-                            session.latent_size, session.amp, progress=lambda d, n: progress.skip(d))
+                            session.latent_size, session.amp, progress=lambda d, n: progress.advance(d, n))
         progress.end_stage()
         bank.save(folder / BANK_FILE)
         store = ActivationStore(folder, tc.ram_budget_gb * 1e9, _store_dtype(tc.calib_dtype, session.teacher_dtype))
@@ -553,7 +553,7 @@ def calibrate(session: "Session", fp: dict) -> tuple[InputBank, ActivationStore]
         if progress.bar is not None:
             progress.bar.reset(total=None)
         capture_sites(teacher, session.cfg, bank, session.site_list, tc, store, session.device,
-                      session.compute_dtype, session.amp, progress=progress.bar_to)
+                      session.compute_dtype, session.amp, progress=progress.advance)
         progress.end_stage()
         write_manifest(folder, store, fp, session.calib.description)
         session.placement.release()

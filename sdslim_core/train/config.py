@@ -89,6 +89,7 @@ class TrainConfig:
     work_dir: str | None = None            # default: <out>.work next to the output file
     progress_bar: bool = False             # tqdm bars on stderr (the CLI turns them on)
     vram_estimate: bool = False            # run the VRAM estimator before training (the CLI turns it on)
+    plan: bool = False                     # print the cost plan (warm-up ETA) before training (the CLI turns it on)
     log: object = None                     # callable(str) for human messages (default: silent)
 
     def __post_init__(self):

@@ -411,7 +411,7 @@ def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tup
     for n, site in enumerate(todo):
         path = _site_file(session, site)
         if session.resume and path.exists():
-            session.progress.skip(n + 1)
+            session.progress.advance(n + 1)
             continue
         si = site_init(session, store, site)
         tensors, chosen, errors = si.best(ranks[site], session.tc.init_methods)
@@ -421,7 +421,7 @@ def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tup
         save_file_atomic({f"{site}/{k}": v for k, v in tensors.items()}, path, {"sdslim.init": {"row": finite(row)}})
         del si
         session.free_device_memory()
-        session.progress.skip(n + 1)
+        session.progress.advance(n + 1)
     session.progress.end_stage()
     session.timing["init_s"] = time.perf_counter() - t0
     session.topo.barrier()

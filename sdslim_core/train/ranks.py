@@ -215,7 +215,7 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
             del si
             session.free_device_memory()
         local[site] = curve
-        session.progress.skip(len(local))
+        session.progress.advance(len(local))
     session.progress.end_stage()
     session.placement.release()
     curves = session.gather(local)

@@ -25,6 +25,7 @@ class TrainReport:
     params: dict = dataclasses.field(default_factory=dict)
     calibration: dict = dataclasses.field(default_factory=dict)
     budget: dict = dataclasses.field(default_factory=dict)
+    plan: dict | None = None                                        # the cost plan printed before the run
     out: str = ""
     plot: str = ""
     work_dir: str = ""

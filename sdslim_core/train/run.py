@@ -18,6 +18,7 @@ from .. import layout
 from ..io.adapters import AdapterSet
 from .config import TrainConfig
 from .init import initialise
+from .plan import make_plan
 from .session import Session
 from .sites import site_errors
 from .teacher import teacher_weights
@@ -67,6 +68,10 @@ def execute(session: Session) -> TrainResult:
     if tc.vram_estimate and not tc.allocates() and session.topo.main:
         r0 = ranks_mod.ratio_ranks(session.site_list, tc)
         vram_info = predict_for(session, r0, stage2.resolve_groups(session, r0))
+    plan = None
+    if tc.plan and session.topo.main:
+        plan = make_plan(session)
+        session.say(plan.text())
     bank, store = cal.calibrate(session, fp)
     t_ranks = time.perf_counter()
     ranks, budget_info = ranks_mod.choose_ranks(session, bank, store)
@@ -79,7 +84,7 @@ def execute(session: Session) -> TrainResult:
     aset_init, table, err_init = initialise(session, store, ranks)
     report = report_mod.TrainReport(family=session.cfg.family, ranks=dict(aset_init.ranks()), init_table=table,
                                     vram=vram_info, budget={k: v for k, v in budget_info.items() if k != "curves"},
-                                    work_dir=str(session.work_dir))
+                                    work_dir=str(session.work_dir), plan=None if plan is None else plan.to_dict())
     stage1_total = tc.stage1_steps * len(session.owned_sites(aset_init.sites))
     session.progress.total = stage1_total + tc.stage2_steps
     t_stage = time.perf_counter()
@@ -124,6 +129,15 @@ def execute(session: Session) -> TrainResult:
             session.say(f"plot failed: {err}")
     session.topo.barrier()
     return TrainResult(final, report)
+
+
+def plan_run(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibration | None = None,
+             train_cfg: TrainConfig | None = None, out_path="adapters.safetensors"):
+    """The cost plan of ``train_adapters(unet, cfg, calib, train_cfg, out_path)`` (warm-up included) without
+    training; nothing is written."""
+    weights, cfg = teacher_weights(unet, cfg)
+    session = Session(weights, cfg, train_cfg or TrainConfig(), calib, out_path, None, False)
+    return make_plan(session)
 
 
 def train_adapters(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibration | None = None,

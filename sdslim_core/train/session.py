@@ -104,6 +104,7 @@ class Session:
         self.progress = Progress(callback if self.topo.main or callback is None else None, tc.progress_bar and
                                  self.topo.main)
         self.timing: dict = {}
+        self.plan_tokens: dict | None = None          # site → H·W of its input, from the plan's warm-up
         self.optimizer_name = optimizer_kind(self.device, tc.optimizer, self.say)
 
     def say(self, text: str):
@@ -166,7 +167,8 @@ class Session:
         """What the work dir's results depend on (a resumed run must match it)."""
         c = self.calib
         calib_fp = fingerprint_tensors([("contexts", c.contexts), ("uncond", c.uncond), ("pooled", c.pooled),
-                                        ("uncond_pooled", c.uncond_pooled), ("latents", c.latents)])
+                                        ("uncond_pooled", c.uncond_pooled), ("latents", c.latents)]
+                                       + ([("time_ids", c.time_ids)] if c.time_ids is not None else []))
         device = {"type": self.device.type}
         if self.device.type == "cuda" and self.tc.stage2_groups == "auto":
             props = torch.cuda.get_device_properties(self.device)

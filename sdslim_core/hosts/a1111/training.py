@@ -227,9 +227,12 @@ class JobProgress:
         self.done, self.total = done, total
         s = self.state
         s.sampling_steps, s.sampling_step = total, done
-        where = short_site(info["site"]) if "site" in info else f"p={info['p']}" if "p" in info else ""
-        loss = f", loss {info['loss']:.4g}" if "loss" in info else ""
-        self.say(f"stage {info.get('stage', '?')} {where}, step {done} of {total}{loss}")
+        if "of" in info:                      # a phase before the optimizer steps: calibration, rank curves, init
+            self.say(f"{info['stage']} {info['done']} of {info['of']}")
+        else:
+            where = short_site(info["site"]) if "site" in info else f"p={info['p']}" if "p" in info else ""
+            loss = f", loss {info['loss']:.4g}" if "loss" in info else ""
+            self.say(f"stage {info.get('stage', '?')} {where}, step {done} of {total}{loss}")
         if getattr(s, "interrupted", False):
             raise Interrupted(f"interrupted at step {done} of {total}")
 

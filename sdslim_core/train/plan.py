@@ -1,0 +1,322 @@
+"""What a training run will cost, said before it starts: UNet forwards and backwards per phase, the work folder's
+size, and an ETA from a short warm-up on the run's own device.
+
+Counts follow the settings exactly where the phases are fixed by them (trajectories, rank-curve measurements,
+held-out evaluations, optimizer steps) and approximately where random subsets overlap (the capture's inputs).
+The warm-up runs, on random inputs of the run's shapes: one teacher forward at batch 8 (with hooks recording
+each site's input shape), one stage-2 step (the UNet with train-time adapters at uniform ``ratio``: forward,
+backward, AdamW) and one stage-1 step for each distinct site shape. Site-local work without its own measurement
+(initialisation methods, rank-curve scoring, held-out site errors) is counted in stage-1-step equivalents: a
+held-out scoring pass costs a third of a step per batch of held-out data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..io.adapters import AdapterSet
+from ..io.files import format_bytes
+from ..layout import rank_policy
+from ..modules import swap
+from .calibration import _store_dtype, unet_call
+from .fit import eval_interval
+from .sites import build_student, call_site, make_site_adapter
+
+if TYPE_CHECKING:
+    from .session import Session
+
+BATCH = 8                    # the batch of every held-out / capture / rank-curve UNet call
+SCORE_PASS = 1 / 3           # a forward-only scoring batch, in stage-1-step equivalents
+
+
+@dataclasses.dataclass
+class Phase:
+    """One phase: ``units`` of ``unit``, the UNet forwards/backwards it runs (per input) and its estimated seconds."""
+    name: str
+    units: int
+    unit: str
+    forwards: int = 0
+    backwards: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class Plan:
+    """The phases of a run, its work folder's size and what the warm-up measured."""
+    phases: list
+    work_bytes: int
+    warmup: dict
+
+    @property
+    def eta_s(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    def to_dict(self) -> dict:
+        return {"phases": [dataclasses.asdict(p) for p in self.phases], "work_bytes": self.work_bytes,
+                "eta_s": self.eta_s, "warmup": dict(self.warmup)}
+
+    def text(self) -> str:
+        lines = ["plan (UNet forwards / backwards per input, from a warm-up on this device):"]
+        for p in self.phases:
+            fb = f"{p.forwards:,} fwd" + (f" + {p.backwards:,} bwd" if p.backwards else "") if p.forwards else "local"
+            lines.append(f"  {p.name:<16} {p.units:>7,} {p.unit:<6} {fb:<24} ~{_duration(p.seconds)}")
+        lines.append(f"  work folder ~{format_bytes(self.work_bytes)}; ETA ~{_duration(self.eta_s)} "
+                     f"(warm-up {self.warmup['seconds']:.1f} s)")
+        return "\n".join(lines)
+
+
+def _duration(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+# ------------------------------------------------------------------------------------------------ counting
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The calibration bank a run will record: inputs, held-out inputs, inputs per UNet call, CFG."""
+    n: int
+    n_eval: int
+    call_batch: int
+    cfg: bool
+
+
+def bank_size(session: "Session") -> Inputs:
+    tc, calib = session.tc, session.calib
+    cfg = calib.contexts is not None and calib.latents is None and tc.guidance != 1.0
+    mult = 2 if cfg else 1
+    if calib.latents is None:
+        n, groups, per_group = tc.n_trajectories * tc.sample_steps * mult, tc.n_trajectories, tc.sample_steps * mult
+        call = min(4, tc.n_trajectories) * mult
+    else:
+        m = calib.latents.shape[0]
+        n = tc.n_noised
+        groups = m if m > 1 else n
+        per_group, call = n / groups, 8
+    held = min(max(1, round(groups * tc.eval_fraction)), max(1, groups - 1))
+    return Inputs(n, max(1, int(held * per_group)), call, cfg)
+
+
+def _capture_inputs(tc, n: int) -> int:
+    """Expected size of the union of the FF and Res capture subsets (drawn independently)."""
+    n_ff, n_res = max(2, min(n, tc.ff_inputs)), min(n, tc.res_maps)
+    return int(round(min(n, n_ff + n_res - n_ff * n_res / max(n, 1))))
+
+
+def _stage2_inputs(session: "Session", bank: Inputs) -> int:
+    tc = session.tc
+    return tc.stage2_batch * (2 if tc.guided_loss and tc.guidance != 1.0 and bank.cfg else 1)
+
+
+def _curve_measurements(session: "Session") -> tuple[int, int]:
+    """(sites with a rank curve, whole-UNet measurements per site) of the rank-allocation phase."""
+    tc = session.tc
+    if not tc.allocates():
+        return 0, 0
+    from .ranks import rank_grid
+    fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
+    grids = [rank_grid(s, fractions) for s in session.site_list]
+    sites = sum(1 for g in grids if g)
+    per = {"e2e": max((len(g) for g in grids), default=0), "anchored": tc.alloc_anchors, "site": 0}[tc.allocation]
+    return sites, per
+
+
+def work_folder_bytes(session: "Session", bank: Inputs) -> int:
+    """Bytes the work folder will hold at its largest: the input bank, the captured activations (per-site token
+    counts from the warm-up's shapes), the per-site init/stage files and the optimizer checkpoints (adapters at
+    uniform ``ratio``; an allocation that leaves sites at full width stores less)."""
+    tc, cfg = session.tc, session.cfg
+    dt = _store_dtype(tc.calib_dtype, session.teacher_dtype).itemsize
+    latent = cfg.in_channels * session.latent_size ** 2
+    contexts = (session.calib.contexts.shape[0] if session.calib.contexts is not None else 1) + 1
+    out = bank.n * (2 * latent * 4 + 21) + contexts * 77 * cfg.context_dim * 4
+    n_ff = max(2, min(bank.n, tc.ff_inputs))
+    tokens = session.plan_tokens or {}
+    for s in session.site_list:
+        if s.kind == "ff":
+            per_input = min(tc.tokens_per_sample, tokens.get(s.name, tc.tokens_per_sample), -(-tc.ff_tokens // n_ff))
+            out += n_ff * per_input * s.in_dim * dt
+        else:
+            out += min(tc.res_maps, bank.n) * (s.in_dim * tokens.get(s.name, session.latent_size ** 2) + s.emb_dim) * dt
+    ranks = rank_policy.ranks_for_ratio(session.site_list, tc.ratio or 0.5)
+    adapter = 4 * sum(3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r
+                      for s in session.site_list for r in [ranks.get(s.name, 0)])
+    out += adapter * 5                                        # init/, init, stage1/, stage1, stage2/
+    out += adapter * 4 * tc.keep_checkpoints                  # adapter, best, two AdamW moments per checkpoint
+    return int(out)
+
+
+# ------------------------------------------------------------------------------------------------ warm-up
+
+def _random_inputs(session: "Session", n: int, g: torch.Generator) -> dict:
+    cfg = session.cfg
+    size = session.latent_size
+    out = {"sample": torch.randn(n, cfg.in_channels, size, size, generator=g),
+           "timestep": torch.randint(1, 999, (n,), generator=g).float(),
+           "encoder_hidden_states": torch.randn(n, 77, cfg.context_dim, generator=g)}
+    if cfg.adm_in_channels:
+        px = float(size * 8)
+        out["added_cond_kwargs"] = {"text_embeds": torch.randn(n, cfg.adm_in_channels - 6 * 256, generator=g),
+                                    "time_ids": torch.tensor([[px, px, 0, 0, px, px]]).repeat(n, 1)}
+    dev, dt = session.device, session.compute_dtype
+
+    def mv(t):
+        return t.to(dev, dt) if t.is_floating_point() else t.to(dev)
+    out = {k: ({kk: mv(vv) for kk, vv in v.items()} if isinstance(v, dict) else mv(v)) for k, v in out.items()}
+    out["timestep"] = out["timestep"].to(dev)
+    return out
+
+
+def _timed(fn, repeat_below: float = 2.0) -> float:
+    """Seconds of ``fn()``: a second run when the first (which pays for allocations) was quick."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if first >= repeat_below:
+        return first
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_up(session: "Session", stage2_inputs: int) -> dict:
+    """Measured unit costs on random inputs of the run's shapes (see the module docstring)."""
+    t_start = time.perf_counter()
+    g = torch.Generator().manual_seed(0)
+    teacher = session.placement.on_device()
+    shapes, hooks = {}, []
+    for s in session.site_list:
+        mod = teacher.get_submodule(swap.site_path(teacher, s.name, session.cfg))
+
+        def hook(module, args, kwargs, _name=s.name):
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_tensor"))
+            shapes[_name] = tuple(x.shape[1:])
+        hooks.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    inputs = _random_inputs(session, BATCH, g)
+    try:
+        with torch.no_grad():
+            def forward():
+                with session.amp():
+                    unet_call(teacher, inputs)
+                _sync(session.device)
+            t_fwd = _timed(forward)
+    finally:
+        for h in hooks:
+            h.remove()
+    session.plan_tokens = {k: math.prod(v[1:]) if len(v) == 3 else v[0] for k, v in shapes.items()}  # H·W
+    ratio = session.tc.ratio or 0.5
+    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, ratio)
+    student, adapters = swap.attach_train_adapters(teacher, aset)
+    params = [p for a in adapters.values() for p in a.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=1e-6)
+    batch2 = {k: (v[:stage2_inputs] if torch.is_tensor(v) else {kk: vv[:stage2_inputs] for kk, vv in v.items()})
+              for k, v in _random_inputs(session, max(stage2_inputs, 1), g).items()}
+
+    def step2():
+        with session.amp():
+            out = unet_call(student.train(), batch2)
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(session.device)
+    t_step2 = _timed(step2)
+    del student, adapters, opt
+    t_step1 = {}
+    seen = {}
+    for s in session.site_list:
+        if s.name not in aset.sites:
+            continue
+        key = (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name))
+        if key not in seen:
+            seen[key] = _site_step(session, aset, s, shapes.get(s.name), g)
+        t_step1[s.name] = seen[key]
+    session.placement.release()
+    session.free_device_memory()
+    return {"forward_batch8_s": t_fwd, "stage2_step_s": t_step2, "stage1_step_s": t_step1,
+            "seconds": time.perf_counter() - t_start}
+
+
+def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
+    """Seconds of one stage-1 step of ``site`` (forward, backward, AdamW) on random data of its captured shape."""
+    tc = session.tc
+    teacher_site = session.placement.site_on_device(site.name)
+    adapter = make_site_adapter(site.name, site.kind, aset.sites[site.name], aset.groups(site.name),
+                                session.norm_eps(site.name)).to(session.device)
+    student = build_student(teacher_site, site.kind, session.naming, adapter)
+    opt = torch.optim.AdamW(list(adapter.parameters()), lr=1e-6)
+    dev, dt = session.device, session.compute_dtype
+    if site.kind == "ff":
+        x, emb = torch.randn(tc.ff_batch_tokens, site.in_dim, generator=g).to(dev, dt), None
+    else:
+        spatial = shape[1:] if shape else (session.latent_size, session.latent_size)
+        x = torch.randn(tc.res_batch, site.in_dim, *spatial, generator=g).to(dev, dt)
+        emb = torch.randn(tc.res_batch, site.emb_dim, generator=g).to(dev, dt)
+
+    def step():
+        with session.amp():
+            out = call_site(student, site.kind, x, emb)
+        F.mse_loss(out.float(), torch.zeros_like(out, dtype=torch.float32)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(dev)
+    return _timed(step, repeat_below=0.5)
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+
+def make_plan(session: "Session") -> Plan:
+    """Count the run's phases, warm up on its device and estimate each phase's seconds."""
+    tc = session.tc
+    bank = bank_size(session)
+    b2 = _stage2_inputs(session, bank)
+    w = warm_up(session, b2)
+    per_input = w["forward_batch8_s"] / BATCH
+    step1 = w["stage1_step_s"]
+    n_sites = len(step1)
+    ff_eval = tc.ff_tokens * tc.eval_fraction / tc.ff_batch_tokens
+    res_eval = tc.res_maps * tc.eval_fraction / tc.res_batch
+    score = {s: SCORE_PASS * t * max(1.0, ff_eval if session.site_by_name[s].kind == "ff" else res_eval)
+             for s, t in step1.items()}                        # one held-out scoring of a site's adapter
+    phases = []
+    call_s = per_input * bank.call_batch if session.device.type == "cpu" else w["forward_batch8_s"]
+    n_calls = math.ceil(bank.n / bank.call_batch)
+    phases.append(Phase("calibration", tc.n_trajectories if session.calib.latents is None else bank.n,
+                        "traj" if session.calib.latents is None else "input", bank.n, 0, n_calls * call_s))
+    cap = _capture_inputs(tc, bank.n)
+    phases.append(Phase("capture", cap, "input", cap, 0, math.ceil(cap / BATCH) * w["forward_batch8_s"]))
+    sites, per_site = _curve_measurements(session)
+    if sites:
+        probe = min(tc.alloc_inputs, bank.n_eval)
+        grid = len(tc.rank_grid) + (1 if tc.ratio is not None else 0)
+        local = sum(score.values()) / max(n_sites, 1) * grid * sites
+        phases.append(Phase("rank curves", sites, "site", sites * per_site * probe, 0,
+                            sites * per_site * math.ceil(probe / BATCH) * w["forward_batch8_s"] + local))
+    phases.append(Phase("init", n_sites, "site", 0, 0, sum(score.values()) * len(tc.init_methods)))
+    evals_s1 = _evaluations(tc.stage1_steps)
+    stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items())
+    held = math.ceil(bank.n_eval / BATCH) * w["forward_batch8_s"]
+    phases.append(Phase("stage 1", tc.stage1_steps * n_sites, "step", 2 * bank.n_eval, 0, stage1_s + 2 * held))
+    if tc.stage2_steps:
+        evals = _evaluations(tc.stage2_steps)
+        extra = 1 - (1 - tc.control_prob) * (1 - tc.lora_prob)      # steps whose target the teacher recomputes
+        seconds = tc.stage2_steps * (w["stage2_step_s"] + extra * per_input * b2) + evals * held + \
+            sum(score.values())                                                # the final per-site errors
+        phases.append(Phase("stage 2", tc.stage2_steps, "step",
+                            int(tc.stage2_steps * b2 * (1 + extra)) + evals * bank.n_eval,
+                            tc.stage2_steps * b2, seconds))
+    return Plan(phases, work_folder_bytes(session, bank), w)

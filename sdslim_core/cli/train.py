@@ -182,6 +182,7 @@ def config_from_args(args, pipe=None, log=None):
 
 
 def cmd_train(args) -> int:
+    from ..io.files import DiskFullError
     from ..modules.unet import open_checkpoint
     from ..train.checkpoint import CheckpointError
     from ..train.run import train_adapters
@@ -193,13 +194,17 @@ def cmd_train(args) -> int:
     pipe = _tiny_pipeline(ckpt)
     tc = config_from_args(args, pipe, log)
     calib = build_calibration(args, ckpt, pipe)
+    work = tc.work_dir or f"{args.out}.work"
     try:
         result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
     except CheckpointError as err:
         print(f"sdslim train: error: {err}", file=sys.stderr)
         return 2
+    except DiskFullError as err:
+        print(f"sdslim train: error: {err}; progress is kept in {work}: free some space and run the same command "
+              "with --resume to continue", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        work = tc.work_dir or f"{args.out}.work"
         print(f"sdslim train: interrupted; progress is kept in {work}: run the same command with --resume to "
               "continue", file=sys.stderr)
         raise

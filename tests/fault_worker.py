@@ -111,7 +111,10 @@ def _child(job: dict) -> int:
 def serve() -> None:
     import torch
     torch.set_num_threads(1)
-    from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401  (the heavy imports, once)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401  (the heavy imports, once: the error plot, diffusers, sdslim)
+    from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint  # noqa: F401
     from sdslim_core.apps import lora_convert, slim  # noqa: F401
     from sdslim_core.cli import build_parser

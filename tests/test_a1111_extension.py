@@ -521,8 +521,8 @@ SOAK = os.environ.get("SDSLIM_SOAK") == "1"
 SOAK_LORAS = ((), (("a", 0.8),), (("a", 0.3), ("b", 0.5)))     # none, a LoRA, a LoRA and a LyCORIS network
 
 
-def _soak_plan(n: int, seed: int = 0) -> list[dict]:
-    """``n`` generations: first every slim setting once (the warm-up), then a seeded mix of them, SD Slim off
+def _soak_plan(n: int, seed: int = 0) -> tuple[list[dict], int]:
+    """(``n`` generations, how many of them are the warm-up): first every setting once, then a seeded mix of them, SD Slim off
     (with and without a LoRA), SD Slim switched off in Settings, hires fix and the Lora extension's functional mode
     toggled. A toggle comes after a generation without SD Slim and LoRA in the old mode: the Lora extension's
     functional forward keeps whatever an ordinary in-place merge left in a layer (SD Slim or not), so only from
@@ -541,7 +541,13 @@ def _soak_plan(n: int, seed: int = 0) -> list[dict]:
             plan.append(dict(clean, functional=functional))
             functional = not functional
         plan.append(dict(rng.choice(on) if rng.random() < 0.7 else rng.choice(off), functional=functional))
-    return plan
+    return plan, len(on) + len(off)
+
+
+def _setting_key(g: dict) -> tuple:
+    """The settings that decide a generation's output (the functional mode changes the rounding of non-slim
+    layers' LoRA, so it is part of it)."""
+    return tuple(sorted(g.items()))
 
 
 def _rss() -> int:
@@ -569,8 +575,7 @@ def test_soak_many_generations_stay_exact_bounded_and_give_the_original_back(ses
     session.networks.available_networks["b"] = _lycoris(session)
     files = {"tiny.safetensors": session.adapter_file, "quarter.safetensors": webui.adapters / "quarter.safetensors"}
     snap = session.snapshot()
-    plan = _soak_plan(n)
-    warm_up = len({json_key(g) for g in plan[:28]})
+    plan, warm_up = _soak_plan(n)
     refs, first_seen = {}, {}
     slim_layers = weakref.WeakSet()
     most_layers = max_cached = 0
@@ -602,7 +607,7 @@ def test_soak_many_generations_stay_exact_bounded_and_give_the_original_back(ses
         assert not p.standin_script_errors and "SD Slim error" not in info, (i, g, info)
         assert len(p.standin_outputs) == (2 if g["hires"] else 1)
         xs = [first_noise(11), refs.get((g.get("adapter"), g.get("strength"), g["loras"], 0))]
-        key = json_key(g)
+        key = _setting_key(g)
         if key in first_seen:
             for got, want in zip(p.standin_outputs, first_seen[key]):
                 assert torch.equal(got, want), (i, g, (got - want).abs().max())
@@ -625,12 +630,6 @@ def test_soak_many_generations_stay_exact_bounded_and_give_the_original_back(ses
     assert len(slim_layers) <= max_cached * most_layers if session.live else not slim_layers
     assert rss[1] <= 1.05 * rss[0], f"RSS grew from {rss[0] / 2 ** 20:.1f} MiB to {rss[1] / 2 ** 20:.1f} MiB"
     print(f"\nsoak: {n} generations ({len(first_seen)} distinct settings), RSS after warm-up "
-          f"{rss[0] / 2 ** 20:.1f} MiB, at the end {rss[1] / 2 ** 20:.1f} MiB ({rss[1] / rss[0] - 1:+.1%}); slim layers "
-          f"alive {len(slim_layers)} (cache: {max_cached} folds of ≤ {most_layers} layers"
+          f"{rss[0] / 2 ** 20:.1f} MiB, at the end {rss[1] / 2 ** 20:.1f} MiB ({rss[1] / rss[0] - 1:+.1%}); "
+          f"slim layers alive {len(slim_layers)} (cache: {max_cached} folds of ≤ {most_layers} layers"
           f"{'' if session.live else '; SD Slim off in Settings: none kept'})")
-
-
-def json_key(g: dict) -> tuple:
-    """The settings that decide a generation's output (the functional mode changes the rounding of non-slim
-    layers' LoRA, so it is part of it)."""
-    return tuple(sorted((k, v) for k, v in g.items()))

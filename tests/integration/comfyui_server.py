@@ -46,7 +46,8 @@ class ComfyServer:
         self.log_path = self.folder / "server.log"
         self._log = open(self.log_path, "w")
         argv = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-                "--extra-model-paths-config", str(self.folder / "extra.yaml"), "--database-url", f"sqlite:///{self.folder / 'user' / 'comfyui.db'}"]
+                "--extra-model-paths-config", str(self.folder / "extra.yaml"),
+                "--database-url", f"sqlite:///{self.folder / 'user' / 'comfyui.db'}"]
         argv += [a for name, d in dirs.items() for a in (f"--{name}-directory", str(d))]
         self.proc = subprocess.Popen(argv + list(args), cwd=os.environ["COMFYUI_PATH"], stdout=self._log,
                                      stderr=subprocess.STDOUT)

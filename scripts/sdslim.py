@@ -172,8 +172,8 @@ def slim_for_sampling(p, job):
         else:
             report = live.apply(key, aset, offload=_offload(sd_model), compute_device=devices.device,
                                 read=a1111_lora.base_weights)
-            for path in layers if unmerge is not None else ():
-                unmerge(live.original(path))    # an in-place merge made before the functional mode was chosen
+            for layer in layers if unmerge is not None else ():
+                unmerge(live.original(layer))   # an in-place merge made before the functional mode was chosen
         loras = live.apply_loras(params.lora_key(loaded) if modules else (), modules)
     except Exception as err:  # noqa: BLE001 - a failed fold must never break the generation
         restore_original("error", forget=False)

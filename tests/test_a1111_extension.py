@@ -226,7 +226,8 @@ def _functional_lora(s):
 def test_functional_lora_mode_gives_back_unmerged_originals(session):
     _functional_lora(session)
     snap = session.snapshot()
-    p1, _ = session.generate("cat <lora:a:0.6>")
+    p1, res = session.generate("cat <lora:a:0.6>")
+    assert not p1.standin_script_errors and "SD Slim" in _params(res.infotexts[0])
     assert torch.allclose(p1.standin_outputs[0], _reference(session, multiplier=0.6), atol=TOL, rtol=0)
     p2, _ = session.generate("cat", mode="Off")
     assert torch.equal(p2.standin_outputs[0], _plain(session))
@@ -512,3 +513,123 @@ def test_off_gives_the_original_model_back_after_lora_functional_is_switched_on(
     p2, _ = session.generate("cat", mode="Off")
     assert torch.equal(p2.standin_outputs[0], _plain(session))
     session.assert_same_as(snap)
+
+
+# ------------------------------------------------------------------------------------------------------- soak
+
+SOAK = os.environ.get("SDSLIM_SOAK") == "1"
+SOAK_LORAS = ((), (("a", 0.8),), (("a", 0.3), ("b", 0.5)))     # none, a LoRA, a LoRA and a LyCORIS network
+
+
+def _soak_plan(n: int, seed: int = 0) -> tuple[list[dict], int]:
+    """(``n`` generations, how many of them are the warm-up): first every setting once, then a seeded mix of them, SD Slim off
+    (with and without a LoRA), SD Slim switched off in Settings, hires fix and the Lora extension's functional mode
+    toggled. A toggle comes after a generation without SD Slim and LoRA in the old mode: the Lora extension's
+    functional forward keeps whatever an ordinary in-place merge left in a layer (SD Slim or not), so only from
+    that clean state is "the original model" defined in the new mode."""
+    import random
+    on = [dict(mode="On", adapter=a, strength=s, loras=lo, hires=False)
+          for a in ("tiny.safetensors", "quarter.safetensors") for s in (1.0, 0.5) for lo in SOAK_LORAS]
+    on += [dict(on[1], hires=True), dict(on[9], hires=True)]
+    clean = dict(mode="Off", loras=(), hires=False)
+    off = [clean, dict(clean, hires=True), dict(clean, loras=SOAK_LORAS[1]), dict(clean, mode="settings")]
+    rng = random.Random(seed)
+    plan = [dict(g, functional=False) for g in on + off]
+    functional = False
+    while len(plan) < n:
+        if rng.random() < 0.1:
+            plan.append(dict(clean, functional=functional))
+            functional = not functional
+        plan.append(dict(rng.choice(on) if rng.random() < 0.7 else rng.choice(off), functional=functional))
+    return plan, len(on) + len(off)
+
+
+def _setting_key(g: dict) -> tuple:
+    """The settings that decide a generation's output (the functional mode changes the rounding of non-slim
+    layers' LoRA, so it is part of it)."""
+    return tuple(sorted(g.items()))
+
+
+def _rss() -> int:
+    import gc
+    import psutil
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.parametrize("n", [pytest.param(50, id="50"),
+                               pytest.param(400, id="400", marks=pytest.mark.skipif(
+                                   not SOAK, reason="long soak: set SDSLIM_SOAK=1"))])
+def test_soak_many_generations_stay_exact_bounded_and_give_the_original_back(session, webui, n):
+    """``n`` generations cycling SD Slim on/off (override and Settings), two adapter files, two strengths, no
+    LoRA / a LoRA / a LoRA with a LyCORIS network, hires fix and the functional LoRA mode: each slim setting
+    equals the float64 train-time reference the first time and is bit-identical to that each time it recurs;
+    after each generation with SD Slim off and no LoRA the UNet holds the same Parameter objects with the same
+    values as before the first generation; the fold cache keeps at most ``max_cached`` folds (evicted slim
+    layers are freed: weakrefs) and the process RSS after the warm-up grows by at most 5 %."""
+    import weakref
+
+    from modules import processing, shared
+    write_adapters(webui.adapters, session.unet, name="quarter.safetensors", ratio=0.25, seed=2)
+    session.module.refresh_adapters()
+    session.networks.available_networks["b"] = _lycoris(session)
+    files = {"tiny.safetensors": session.adapter_file, "quarter.safetensors": webui.adapters / "quarter.safetensors"}
+    snap = session.snapshot()
+    plan, warm_up = _soak_plan(n)
+    refs, first_seen = {}, {}
+    slim_layers = weakref.WeakSet()
+    most_layers = max_cached = 0
+
+    def reference(g, x, pass_):
+        key = (g.get("adapter"), g.get("strength"), g["loras"], pass_)
+        if key not in refs:
+            base = session.pristine
+            for name, m in g["loras"]:
+                base = merged_reference(base, session.networks.available_networks[name], m)
+            if g["mode"] == "On":
+                base, _ = swap.attach_train_adapters(base, adapters.AdapterSet.load(files[g["adapter"]])
+                                                     .select(g["strength"]))
+            with torch.no_grad():
+                refs[key] = base(x, torch.full((1,), 500), context=session.context)
+        return refs[key]
+
+    rss = []
+    for i, g in enumerate(plan):
+        if i == warm_up:
+            rss.append(_rss())
+        shared.opts.set("lora_functional", g["functional"])
+        session.settings(enable=g["mode"] != "settings")
+        prompt = "cat " + " ".join(f"<lora:{name}:{m}>" for name, m in g["loras"])
+        p = session.p(prompt, mode=None if g["mode"] == "settings" else g["mode"], adapter=g.get("adapter"),
+                      strength=g.get("strength"), enable_hr=g["hires"])
+        res = processing.process_images(p)
+        info = _params(res.infotexts[0])
+        assert not p.standin_script_errors and "SD Slim error" not in info, (i, g, info)
+        assert len(p.standin_outputs) == (2 if g["hires"] else 1)
+        xs = [first_noise(11), refs.get((g.get("adapter"), g.get("strength"), g["loras"], 0))]
+        key = _setting_key(g)
+        if key in first_seen:
+            for got, want in zip(p.standin_outputs, first_seen[key]):
+                assert torch.equal(got, want), (i, g, (got - want).abs().max())
+        else:
+            first_seen[key] = p.standin_outputs
+            for pass_, got in enumerate(p.standin_outputs):
+                want = reference(g, xs[pass_], pass_)
+                assert torch.allclose(got, want, atol=TOL, rtol=0), (i, g, pass_, (got - want).abs().max())
+        if g["mode"] == "On":
+            assert "SD Slim" in info and session.live.installed
+            slim_layers.update(session.unet.get_submodule(path) for path in session.live.replaced)
+            most_layers, max_cached = max(most_layers, len(session.live.replaced)), session.live.max_cached
+            assert len(session.live._cache) <= max_cached
+        elif not g["loras"]:
+            session.assert_same_as(snap)
+            assert "SD Slim" not in info
+    rss.append(_rss())
+    session.generate("cat", mode="Off")
+    session.assert_same_as(snap)
+    assert len(slim_layers) <= max_cached * most_layers if session.live else not slim_layers
+    assert rss[1] <= 1.05 * rss[0], f"RSS grew from {rss[0] / 2 ** 20:.1f} MiB to {rss[1] / 2 ** 20:.1f} MiB"
+    print(f"\nsoak: {n} generations ({len(first_seen)} distinct settings), RSS after warm-up "
+          f"{rss[0] / 2 ** 20:.1f} MiB, at the end {rss[1] / 2 ** 20:.1f} MiB ({rss[1] / rss[0] - 1:+.1%}); "
+          f"slim layers alive {len(slim_layers)} (cache: {max_cached} folds of ≤ {most_layers} layers"
+          f"{'' if session.live else '; SD Slim off in Settings: none kept'})")

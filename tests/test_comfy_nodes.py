@@ -367,6 +367,49 @@ def test_loras_after_slim_are_converted_and_equal_the_fold_of_the_merged_weights
     assert lokr[0] == "diff" and lokr[1][0].shape == (aset.rank(RES), weights[f"{RES}.emb_layers.1.weight"].shape[1])
 
 
+def test_lora_conversions_are_bounded_per_slim_model_and_freed_with_it(pack, model, monkeypatch):
+    """The only cache Slim UNet keeps: each slim model's conversions of LoRAs added after it, keyed weakly by its
+    SlimSpace, at most ``_CACHED`` of them (oldest first out), an entry dropped once its LoRA's tensors are
+    gone. Nothing else holds the slim model: once it and its LoRA clones are dropped, weakrefs to the patcher,
+    its BaseModel, its UNet and its cache entry are dead."""
+    import gc
+    import weakref
+    patcher, weights = model
+    slim = pack.folding.slim_patcher(patcher, _aset(weights, 0.5))
+    space = slim.model.sdslim_info.space
+    import comfy.weight_adapter as wa
+
+    def lora(seed):                                        # LoRAs on the 6 layers of two folded sites
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for site, layers in ((FF, ("net.0.proj", "net.2")), (RES, ("in_layers.2", "emb_layers.1", "out_layers.3")),
+                             ("middle_block.0", ("in_layers.2",))):
+            for layer in layers:
+                w = weights[f"{site}.{layer}.weight"]
+                up = torch.randn(w.shape[0], 2, *([1, 1] if w.ndim == 4 else []), generator=g, dtype=torch.float64)
+                down = torch.randn(2, *w.shape[1:], generator=g, dtype=torch.float64)
+                out[f"diffusion_model.{site}.{layer}.weight"] = wa.LoRAAdapter(set(), (up, down, 1.0, None, None, None))
+        return out
+    monkeypatch.setattr(pack.patches, "_CACHED", 16)
+    kept = []
+    for seed in range(4):                                  # 4 LoRAs with 6 folded modules each
+        patches = lora(10 + seed)
+        later = slim.clone()
+        later.add_patches(patches, 1.0)
+        kept.append((patches, later))
+        assert len(pack.patches._CONVERSIONS[space]) == min(16, 6 * (seed + 1))
+    del kept[:3]                                           # three LoRAs (and their clones) gone
+    gc.collect()
+    patches = lora(20)
+    slim.clone().add_patches(patches, 1.0)
+    cache = pack.patches._CONVERSIONS[space]               # the 4th LoRA's 6 and the new one's 6
+    assert len(cache) == 12 and all(r() is not None for refs, _ in cache.values() for r in refs)
+    refs = [weakref.ref(o) for o in (slim, slim.model, slim.model.diffusion_model, space)]
+    del slim, space, cache, patches, kept, later
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+
+
 def test_tucker_locon_and_tucker_loha_after_slim_equal_the_fold_of_the_merged_weights(pack, model):
     """The LyCORIS forms whose ΔW needs lycoris-lora's math (a 3×3 LoCon with a Tucker core on conv1, a LoHa with
     Tucker cores on conv2), added after Slim UNet: float64 fold of W + s·ΔW, ΔW written out by hand here."""

@@ -184,6 +184,7 @@ def config_from_args(args, pipe=None, log=None):
 
 
 def cmd_train(args) -> int:
+    from ..io.files import DiskFullError
     from ..modules.unet import open_checkpoint
     from ..train.checkpoint import CheckpointError
     from ..train.run import train_adapters
@@ -200,13 +201,17 @@ def cmd_train(args) -> int:
         plan = plan_run(ckpt, ckpt.config, calib, tc, args.out)
         print(json.dumps(plan.to_dict()) if args.json else plan.text(), file=sys.stdout if args.json else sys.stderr)
         return 0
+    work = tc.work_dir or f"{args.out}.work"
     try:
         result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
     except CheckpointError as err:
         print(f"sdslim train: error: {err}", file=sys.stderr)
         return 2
+    except DiskFullError as err:
+        print(f"sdslim train: error: {err}; progress is kept in {work}: free some space and run the same command "
+              "with --resume to continue", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        work = tc.work_dir or f"{args.out}.work"
         print(f"sdslim train: interrupted; progress is kept in {work}: run the same command with --resume to "
               "continue", file=sys.stderr)
         raise

@@ -3,9 +3,13 @@ byte sizes as text."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import shutil
+import socket
 import struct
 import tempfile
 from pathlib import Path
@@ -18,6 +22,16 @@ MAX_HEADER = 100 << 20                # a larger header is taken for a non-safet
 
 class HeaderError(ValueError):
     """The file is not a readable safetensors file (the message says why, without the path)."""
+
+
+class DiskFullError(OSError):
+    """A file could not be written for lack of space (or a file-size limit); the message names it and says that
+    nothing was written there."""
+
+
+_DISK_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+              errno.EFBIG: "the file is larger than the file system or this process's file-size limit "
+                           "(ulimit -f) allows"}
 
 
 def read_raw_header(path) -> tuple[dict, int, int]:
@@ -42,12 +56,18 @@ def read_raw_header(path) -> tuple[dict, int, int]:
 @contextlib.contextmanager
 def atomic_path(path, mode: int | None = None) -> Iterator[str]:
     """Yield a temporary path in ``path``'s folder; on success it replaces ``path`` (``os.replace``), on error it
-    is removed. The file gets normal permissions (0666 less the umask) unless ``mode`` is given."""
+    is removed, so ``path`` is either the complete new file or what it was before. The file gets normal
+    permissions (0666 less the umask) unless ``mode`` is given. A full disk (or quota, or file-size limit) raises
+    :class:`DiskFullError` naming ``path``. The temporary name carries this host and process id
+    (``.<name>.<random>.<host>-<pid>.tmp``), so one left behind by a killed process is removed by the next write
+    of the same file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    _remove_orphans(path)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{_host()}-{os.getpid()}.tmp", dir=path.parent)
+        os.close(fd)
         yield tmp
         if mode is None:
             umask = os.umask(0)
@@ -55,9 +75,45 @@ def atomic_path(path, mode: int | None = None) -> Iterator[str]:
             mode = 0o666 & ~umask          # mkstemp makes 0600
         os.chmod(tmp, mode)
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno not in _DISK_FULL or isinstance(err, DiskFullError):
+            raise
+        why = _DISK_FULL[err.errno]
+        if err.errno != errno.EFBIG:
+            why += f" ({format_bytes(shutil.disk_usage(path.parent).free)} free in {path.parent})"
+        before = "is unchanged" if path.exists() else "was not created"
+        raise DiskFullError(f"{path}: not written: {why}; {path.name} {before}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the temporary files of ``path`` that processes of this host which no longer run left behind."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[^.]+\.{re.escape(_host())}-(\d+)\.tmp$")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m and not _running(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(path.parent / name)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:              # another user's process
+        return True
+    return True
 
 
 def sha256_file(path, chunk: int = 1 << 22) -> str:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -92,12 +94,20 @@ def load_file(path) -> tuple[dict, dict]:
 
 
 def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mapping | None = None) -> Path:
-    """Write a safetensors file via a temporary file in the same folder and ``os.replace``."""
+    """Write a safetensors file via a temporary file in the same folder and ``os.replace``
+    (:func:`~sdslim_core.io.files.atomic_path`: a full disk raises its ``DiskFullError``)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     path = Path(path)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
     with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+        except SafetensorError as err:      # its I/O failures end in "(os error N)": raise that OSError
+            code = re.search(r"\(os error (\d+)\)", str(err))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from err
     return path
 
 

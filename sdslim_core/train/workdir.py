@@ -24,25 +24,32 @@ class WorkDir:
     def prepare(self, fp: dict, resume: bool | str) -> bool:
         """Make the work dir ready for the run fingerprinted ``fp``; returns whether it resumes. ``resume="auto"``
         resumes a run with the same fingerprint and starts over otherwise; ``resume=True`` refuses another run's
-        work dir (ValueError naming the settings that differ)."""
+        work dir (ValueError naming the settings that differ) and a damaged ``run.json``, and starts over where
+        there is no run to resume (saying so)."""
         run_file = self.run_file
+        old, damage = self._recorded() if self.topo.main else (None, "")
         if resume == "auto" and self.topo.main:
-            same = run_file.exists() and json.loads(run_file.read_text()) == fp
-            if run_file.exists() and not same:
+            if old is not None and old != fp:
                 self.say(f"work dir {self.root} holds a run with other settings: starting over")
-            resume = bool(same)
+            elif damage:
+                self.say(f"work dir {self.root}: {damage}: starting over")
+            resume = old == fp
+        elif resume and self.topo.main and old is None and not damage:
+            self.say(f"--resume: the work dir {self.root} holds no run to resume: starting over")
+            resume = False
         if self.topo.distributed:
             resume = self.topo.broadcast_object(resume)
         if self.topo.main:
-            if resume and run_file.exists():
-                old = json.loads(run_file.read_text())
-                if old != fp:
-                    diff = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
-                    if "run" in diff:
-                        diff = [f"run.{k}" for k in sorted(fp["run"]) if old.get("run", {}).get(k) != fp["run"][k]]
-                    raise ValueError(f"--resume: the work dir {self.root} holds a run with other settings "
-                                     f"({', '.join(diff)}); use another --work-dir, or run without --resume")
-            else:
+            if resume and damage:
+                raise ValueError(f"--resume: {damage}; run without --resume to start over, or use another "
+                                 "--work-dir")
+            if resume and old is not None and old != fp:
+                diff = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
+                if "run" in diff and isinstance(old.get("run"), dict):
+                    diff = [f"run.{k}" for k in sorted(fp["run"]) if old["run"].get(k) != fp["run"][k]]
+                raise ValueError(f"--resume: the work dir {self.root} holds a run with other settings "
+                                 f"({', '.join(diff)}); use another --work-dir, or run without --resume")
+            if not resume:
                 for sub in SUBDIRS:
                     shutil.rmtree(self.root / sub, ignore_errors=True)
                 for f in FILES:
@@ -53,3 +60,15 @@ class WorkDir:
                 Path(tmp).write_text(json.dumps(fp, indent=1))
         self.topo.barrier()
         return resume
+
+    def _recorded(self) -> tuple[dict | None, str]:
+        """(the fingerprint ``run.json`` records, or None; what is wrong with it when it exists but is unusable)."""
+        if not self.run_file.exists():
+            return None, ""
+        try:
+            old = json.loads(self.run_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            return None, f"{self.run_file} is damaged ({err})"
+        if not isinstance(old, dict):
+            return None, f"{self.run_file} is damaged (a JSON {type(old).__name__}, not the run's settings)"
+        return old, ""

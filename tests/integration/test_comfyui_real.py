@@ -407,46 +407,18 @@ def test_errors_name_the_file_and_key(comfy, tiny, adapter_dir, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ HTTP path
 
-def _get(url):
-    import urllib.request
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.load(r)
-
-
 @pytest.mark.skipif(os.environ.get("COMFYUI_HTTP") != "1", reason="set COMFYUI_HTTP=1 to start the server")
 def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
     """main.py with the pack in a custom_nodes dir and models/sdslim from extra_model_paths.yaml."""
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-    (tmp_path / "custom_nodes").mkdir()
-    (tmp_path / "custom_nodes" / "sdslim").symlink_to(ROOT)
+    from comfyui_server import ComfyServer
     (tmp_path / "adapters").mkdir()
     from sdslim_core.io.adapters import AdapterSet
     AdapterSet(family="sd15", sites={}, source="x").save(tmp_path / "adapters" / "from_yaml.safetensors")
-    (tmp_path / "extra.yaml").write_text(f"test:\n  custom_nodes: {tmp_path / 'custom_nodes'}\n"
-                                         f"  sdslim: {tmp_path / 'adapters'}\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                             "--extra-model-paths-config", str(tmp_path / "extra.yaml")],
-                            cwd=COMFY, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                _get(base + "/system_stats")
-                break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-                time.sleep(0.5)
-        info = _get(base + "/object_info")
+    with ComfyServer(tmp_path / "comfy", {"sdslim": tmp_path / "adapters"}) as server:
+        info = server.get("/object_info")
         ids = {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimTrainAdapters", "SdslimVramReport",
                "SdslimVramMonitor", "SdslimUNetBreakdown", "SdslimTinyDemo"}
-        assert ids <= set(info), (tmp_path / "server.log").read_text()[-3000:]
+        assert ids <= set(info), server.log()[-3000:]
         assert "from_yaml.safetensors" in info["SdslimSlimUNet"]["input"]["required"]["adapters"][1]["options"]
         workflows = os.path.join(ROOT, "example_workflows")
         names = sorted(f for f in os.listdir(workflows) if f.endswith(".json"))
@@ -457,31 +429,18 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
                 types = {n["type"] for n in graph["nodes"]} if "nodes" in graph else \
                     {n["class_type"] for n in graph.values()}
                 assert types <= set(info), (name, types - set(info))
-        assert "tiny_demo" in _get(base + "/workflow_templates")["sdslim"]   # the template browser's list
+        assert "tiny_demo" in server.get("/workflow_templates")["sdslim"]   # the template browser's list
         results = {}
         for name, output_node in (("vram_report_only", "1"), ("tiny_demo", "14")):
             prompt = json.load(open(os.path.join(workflows, "api", name + ".json")))
-            req = urllib.request.Request(base + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=30) as r:
-                prompt_id = json.load(r)["prompt_id"]
-            for _ in range(600):
-                history = _get(f"{base}/history/{prompt_id}")
-                if prompt_id in history:
-                    break
-                time.sleep(0.5)
-            entry = history[prompt_id]
+            entry = server.wait(server.queue(prompt))
             assert entry["status"]["status_str"] == "success", (name, entry["status"])
             results[name] = entry["outputs"][output_node]
         text = results["vram_report_only"]["text"][0]
         assert "CPU only" in text and "loaded models:" in text
         assert len(results["tiny_demo"]["images"]) == 1
-        log_text = (tmp_path / "server.log").read_text()
+        log_text = server.log()
         assert "ERROR" not in log_text and "shape" not in log_text, log_text[-3000:]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def test_recorded_signatures_match_this_comfyui(comfy):
@@ -931,3 +890,80 @@ def test_tiny_demo_node_gives_comfyui_objects_that_match_the_core_pipeline(comfy
         return (shape & (mask[..., 0] > 0)).float().sum().item() / max(shape.float().sum().item(), 1)
     assert frac_green(green) > frac_green(plain) + 0.05
     assert shape_in_mask(controlled) > shape_in_mask(green) + 0.2
+
+
+# ------------------------------------------------------------------------- lifetime under ComfyUI's executor
+
+class _QuietServer:
+    """What PromptExecutor needs of the server: no client, messages dropped."""
+    client_id = None
+    last_node_id = None
+    last_prompt_id = None
+
+    def send_sync(self, *args, **kwargs):
+        pass
+
+
+def _demo_graph(enable=True, adapters="tiny_sd15_slim_half.safetensors", strength=1.0, seed=0):
+    """Load Tiny Demo Model → LoRA → Slim UNet → LoRA (after it) → KSampler → VAE Decode → Preview Image, plus
+    VRAM Report; ComfyUI's built-in nodes only."""
+    return {
+        "1": {"class_type": "SdslimTinyDemo", "inputs": {}},
+        "2": {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["1", 1], "strength_model": 1.0,
+                                                     "lora_name": "tiny_lora_green.safetensors", "strength_clip": 1.0}},
+        "3": {"class_type": "SdslimSlimUNet", "inputs": {"model": ["2", 0], "adapters": adapters,
+                                                         "strength": strength, "enable": enable}},
+        "4": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["3", 0], "strength_model": 0.5,
+                                                              "lora_name": "tiny_lora_green.safetensors"}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 1],
+                                                         "text": "a red circle on a blue background"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 1], "text": ""}},
+        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "8": {"class_type": "KSampler", "inputs": {"model": ["4", 0], "positive": ["5", 0], "negative": ["6", 0],
+                                                   "latent_image": ["7", 0], "seed": seed, "steps": 2, "cfg": 4.0,
+                                                   "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "PreviewImage", "inputs": {"images": ["9", 0]}},
+        "11": {"class_type": "SdslimVramReport", "inputs": {"model": ["4", 0], "trigger": ["8", 0]}},
+    }
+
+
+def test_no_slim_model_outlives_its_graph_in_comfyuis_executor(comfy, monkeypatch, tmp_path):
+    """ComfyUI's own PromptExecutor with its default (classic) cache, as the server runs prompts: a slim model
+    (its ModelPatcher, the LoRA clone after it, its BaseModel and UNet) lives while ComfyUI caches its node's
+    output, and is freed once a prompt with other Slim UNet inputs, or one that passes the MODEL through, has
+    run; sdslim itself holds no slim model."""
+    import gc
+    import uuid
+    import weakref
+
+    import execution
+    nodes, fp = comfy["nodes"], comfy["folder_paths"]
+    monkeypatch.setattr(fp, "temp_directory", str(tmp_path))
+    for node_id, cls in {c.define_schema().node_id: c for c in _v3_classes(comfy)}.items():
+        monkeypatch.setitem(nodes.NODE_CLASS_MAPPINGS, node_id, cls)
+    folding = importlib.import_module("sdslim_pack.nodes.folding")
+    made = []
+    real = folding.slim_patcher
+
+    def tracked(*args, **kwargs):
+        out = real(*args, **kwargs)
+        made.append([weakref.ref(o) for o in (out, out.model, out.model.diffusion_model)])
+        return out
+    monkeypatch.setattr(folding, "slim_patcher", tracked)
+    executor = execution.PromptExecutor(_QuietServer(), cache_type=execution.CacheType.CLASSIC)
+
+    def run(graph):
+        executor.execute(graph, str(uuid.uuid4()), {}, ["10", "11"])
+        assert executor.success, executor.status_messages[-1]
+        gc.collect()
+        return [all(r() is not None for r in refs) for refs in made]
+
+    assert run(_demo_graph()) == [True]                       # cached: the slim model of the prompt that ran
+    assert run(_demo_graph(seed=1)) == [True]                 # the same Slim UNet inputs: the same slim model
+    assert run(_demo_graph(strength=0.5)) == [False, True]    # other inputs: the first one is freed
+    assert not any(r() is not None for r in made[0])
+    assert run(_demo_graph(enable=False)) == [False, False]   # Slim UNet passes the MODEL through
+    assert not any(r() is not None for refs in made for r in refs)
+    report = executor.history_result["outputs"]["11"]["text"][0]
+    assert "(slim)" not in report                              # ComfyUI lists no slim model as loaded

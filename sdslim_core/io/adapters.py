@@ -201,13 +201,14 @@ class AdapterSet:
 
     # ------------------------------------------------------------- construction
     @classmethod
-    def shaped_like(cls, shapes: Mapping[str, tuple], family: str, ratio: float) -> "AdapterSet":
-        """Adapters of the right shapes for every site of a UNet (its canonical key → shape map) at ``ratio``,
-        keeping the first r units of each site with a unit bottleneck norm: no weights or data needed. For memory,
-        speed and shape work only."""
+    def shaped_like(cls, shapes: Mapping[str, tuple], family: str, ratio: float,
+                    ranks: Mapping[str, int] | None = None) -> "AdapterSet":
+        """Adapters of the right shapes for every site of a UNet (its canonical key → shape map) at ``ratio`` (or
+        for the sites and ``ranks`` given), keeping the first r units of each site with a unit bottleneck norm: no
+        weights or data needed. For memory, speed and shape work only."""
         site_list = layout.sites(shapes)
         sites, groups = {}, {}
-        for site, r in rank_policy.ranks_for_ratio(site_list, ratio).items():
+        for site, r in (ranks if ranks is not None else rank_policy.ranks_for_ratio(site_list, ratio)).items():
             kind = next(s for s in site_list if s.name == site)
             sel = torch.eye(kind.width)[:r]
             if kind.kind == "ff":

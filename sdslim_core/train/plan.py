@@ -5,9 +5,10 @@ Counts follow the settings exactly where the phases are fixed by them (trajector
 held-out evaluations, optimizer steps) and approximately where random subsets overlap (the capture's inputs).
 The warm-up runs, on random inputs of the run's shapes: one teacher forward at batch 8 (with hooks recording
 each site's input shape), one stage-2 step (the UNet with train-time adapters at uniform ``ratio``: forward,
-backward, AdamW) and one stage-1 step for each distinct site shape. Site-local work without its own measurement
-(initialisation methods, rank-curve scoring, held-out site errors) is counted in stage-1-step equivalents: a
-held-out scoring pass costs a third of a step per batch of held-out data.
+backward, AdamW), one stage-1 step for each distinct site shape, and for the median-width site of each kind the
+site-local work every phase repeats per site (reading its data, the initialisation methods, a rank curve's
+scoring). A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The
+counts assume every site is slimmed; an allocation that leaves sites at full width trains fewer.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ class Plan:
             fb = f"{p.forwards:,} fwd" + (f" + {p.backwards:,} bwd" if p.backwards else "") if p.forwards else "local"
             lines.append(f"  {p.name:<16} {p.units:>7,} {p.unit:<6} {fb:<24} ~{_duration(p.seconds)}")
         lines.append(f"  work folder ~{format_bytes(self.work_bytes)}; ETA ~{_duration(self.eta_s)} "
-                     f"(warm-up {self.warmup['seconds']:.1f} s)")
+                     f"(warm-up {self.warmup['seconds']:.1f} s; counted with every site slimmed: an allocation that "
+                     "leaves sites at full width trains fewer, and the stages are re-estimated once it has)")
         return "\n".join(lines)
 
 
@@ -154,6 +156,11 @@ def work_folder_bytes(session: "Session", bank: Inputs) -> int:
     return int(out)
 
 
+def _evaluations(steps: int) -> int:
+    """Held-out evaluations of a fit of ``steps`` steps (before the first step, then every interval and at the end)."""
+    return 1 + math.ceil(steps / eval_interval(steps)) if steps else 0
+
+
 # ------------------------------------------------------------------------------------------------ warm-up
 
 def _random_inputs(session: "Session", n: int, g: torch.Generator) -> dict:
@@ -217,8 +224,23 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
         for h in hooks:
             h.remove()
     session.plan_tokens = {k: math.prod(v[1:]) if len(v) == 3 else v[0] for k, v in shapes.items()}  # H·W
-    ratio = session.tc.ratio or 0.5
-    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, ratio)
+    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, session.tc.ratio or 0.5)
+    t_step2, t_step1 = _train_steps(session, aset, stage2_inputs, shapes, g)
+    site_local = {}
+    for kind in ("ff", "res"):
+        of_kind = sorted((s for s in session.site_list if s.kind == kind and s.name in aset.sites),
+                         key=lambda s: s.width)
+        if of_kind:
+            site_local[kind] = _site_init(session, of_kind[len(of_kind) // 2], shapes, g)
+    session.placement.release()
+    session.free_device_memory()
+    return {"forward_batch8_s": t_fwd, "stage2_step_s": t_step2, "stage1_step_s": t_step1, "site": site_local,
+            "shapes": {k: list(v) for k, v in shapes.items()}, "seconds": time.perf_counter() - t_start}
+
+
+def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shapes: dict, g) -> tuple[float, dict]:
+    """(seconds of one stage-2 step with ``aset``'s train-time adapters, {site: seconds of one stage-1 step})."""
+    teacher = session.placement.on_device()
     student, adapters = swap.attach_train_adapters(teacher, aset)
     params = [p for a in adapters.values() for p in a.parameters()]
     for p in params:
@@ -236,19 +258,54 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
         _sync(session.device)
     t_step2 = _timed(step2)
     del student, adapters, opt
-    t_step1 = {}
-    seen = {}
+    t_step1, seen = {}, {}
     for s in session.site_list:
         if s.name not in aset.sites:
             continue
-        key = (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name))
+        key = (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name), aset.rank(s.name))
         if key not in seen:
             seen[key] = _site_step(session, aset, s, shapes.get(s.name), g)
         t_step1[s.name] = seen[key]
-    session.placement.release()
-    session.free_device_memory()
-    return {"forward_batch8_s": t_fwd, "stage2_step_s": t_step2, "stage1_step_s": t_step1,
-            "seconds": time.perf_counter() - t_start}
+    return t_step2, t_step1
+
+
+def _site_init(session: "Session", site, shapes: dict, g) -> dict:
+    """Seconds of the site-local work each phase repeats per site, measured on the median-width site of a kind with
+    random data of the run's size: reading its data (``data_s``: the teacher site's outputs), the initialisation
+    (``init_s``: every method at the uniform rank) and a rank curve's local scoring (``curve_s``)."""
+    from .init import SiteInit
+    from .ranks import rank_grid
+    from .sites import SiteData
+    tc = session.tc
+    bank = bank_size(session)
+    shape = shapes.get(site.name)
+    if site.kind == "ff":
+        n_ff = max(2, min(bank.n, tc.ff_inputs))
+        n = min(tc.ff_tokens, n_ff * min(tc.tokens_per_sample, shape[0] if shape else tc.tokens_per_sample))
+        data = {"x": torch.randn(n, site.in_dim, generator=g)}
+    else:
+        n = min(tc.res_maps, bank.n)
+        spatial = shape[1:] if shape else (session.latent_size, session.latent_size)
+        data = {"x": torch.randn(n, site.in_dim, *spatial, generator=g), "emb": torch.randn(n, site.emb_dim,
+                                                                                            generator=g)}
+    n_eval = max(1, round(n * tc.eval_fraction))
+    fit = {k: v[n_eval:] for k, v in data.items()}
+    ev = {k: v[:n_eval] for k, v in data.items()}
+    teacher_site = session.placement.site_on_device(site.name)
+    t0 = time.perf_counter()
+    site_data = SiteData(site.name, site.kind, fit, ev, teacher_site, session.device, session.compute_dtype,
+                         session.amp, batch=4096 if site.kind == "ff" else 8)
+    t_data = time.perf_counter() - t0
+    si = SiteInit(site, teacher_site, session.naming, site_data, session.weights, session.cfg.family,
+                  session.device, session.compute_dtype, session.amp, seed=tc.seed)
+    rank = rank_policy.rank_for_ratio(site.width, tc.ratio or 0.5, site.kind)
+    t0 = time.perf_counter()
+    si.best(rank, tc.init_methods)
+    t_init = time.perf_counter() - t0
+    fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
+    t0 = time.perf_counter()
+    si.curve(rank_grid(site, fractions), tc.init_methods[0])
+    return {"site": site.name, "data_s": t_data, "init_s": t_init, "curve_s": time.perf_counter() - t0}
 
 
 def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
@@ -280,11 +337,31 @@ def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
 # ------------------------------------------------------------------------------------------------- the plan
 
 def make_plan(session: "Session") -> Plan:
-    """Count the run's phases, warm up on its device and estimate each phase's seconds."""
-    tc = session.tc
+    """Count the run's phases, warm up on its device and estimate each phase's seconds (every site slimmed at
+    uniform ``ratio``)."""
     bank = bank_size(session)
     b2 = _stage2_inputs(session, bank)
     w = warm_up(session, b2)
+    return Plan(_phases(session, w, bank, b2), work_folder_bytes(session, bank), w)
+
+
+def replan(session: "Session", plan: Plan, ranks: dict) -> Plan:
+    """``plan`` for the ranks the allocation chose: the training steps measured again for those sites and ranks
+    (one stage-2 step, one stage-1 step per distinct site shape); the rest as warmed up before."""
+    bank = bank_size(session)
+    b2 = _stage2_inputs(session, bank)
+    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, ranks)
+    shapes = {k: tuple(v) for k, v in plan.warmup["shapes"].items()}
+    t0 = time.perf_counter()
+    t_step2, t_step1 = _train_steps(session, aset, b2, shapes, torch.Generator().manual_seed(1))
+    session.placement.release()
+    w = dict(plan.warmup, stage2_step_s=t_step2, stage1_step_s=t_step1,
+             seconds=plan.warmup["seconds"] + time.perf_counter() - t0)
+    return Plan(_phases(session, w, bank, b2), plan.work_bytes, w)
+
+
+def _phases(session: "Session", w: dict, bank: Inputs, b2: int) -> list[Phase]:
+    tc = session.tc
     per_input = w["forward_batch8_s"] / BATCH
     step1 = w["stage1_step_s"]
     n_sites = len(step1)
@@ -292,31 +369,35 @@ def make_plan(session: "Session") -> Plan:
     res_eval = tc.res_maps * tc.eval_fraction / tc.res_batch
     score = {s: SCORE_PASS * t * max(1.0, ff_eval if session.site_by_name[s].kind == "ff" else res_eval)
              for s, t in step1.items()}                        # one held-out scoring of a site's adapter
+    local = w["site"]
+
+    def per_site(what, names=step1):
+        return sum(local[session.site_by_name[s].kind][what] for s in names if session.site_by_name[s].kind in local)
     phases = []
     call_s = per_input * bank.call_batch if session.device.type == "cpu" else w["forward_batch8_s"]
-    n_calls = math.ceil(bank.n / bank.call_batch)
     phases.append(Phase("calibration", tc.n_trajectories if session.calib.latents is None else bank.n,
-                        "traj" if session.calib.latents is None else "input", bank.n, 0, n_calls * call_s))
+                        "traj" if session.calib.latents is None else "input", bank.n, 0,
+                        math.ceil(bank.n / bank.call_batch) * call_s))
     cap = _capture_inputs(tc, bank.n)
     phases.append(Phase("capture", cap, "input", cap, 0, math.ceil(cap / BATCH) * w["forward_batch8_s"]))
-    sites, per_site = _curve_measurements(session)
+    sites, measured = _curve_measurements(session)
     if sites:
         probe = min(tc.alloc_inputs, bank.n_eval)
-        grid = len(tc.rank_grid) + (1 if tc.ratio is not None else 0)
-        local = sum(score.values()) / max(n_sites, 1) * grid * sites
-        phases.append(Phase("rank curves", sites, "site", sites * per_site * probe, 0,
-                            sites * per_site * math.ceil(probe / BATCH) * w["forward_batch8_s"] + local))
-    phases.append(Phase("init", n_sites, "site", 0, 0, sum(score.values()) * len(tc.init_methods)))
+        every = [s.name for s in session.site_list]
+        phases.append(Phase("rank curves", sites, "site", sites * measured * probe, 0,
+                            sites * measured * math.ceil(probe / BATCH) * w["forward_batch8_s"]
+                            + per_site("data_s", every) + per_site("curve_s", every)))
+    phases.append(Phase("init", n_sites, "site", 0, 0, per_site("data_s") + per_site("init_s")))
     evals_s1 = _evaluations(tc.stage1_steps)
-    stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items())
+    stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items()) + per_site("data_s")
     held = math.ceil(bank.n_eval / BATCH) * w["forward_batch8_s"]
     phases.append(Phase("stage 1", tc.stage1_steps * n_sites, "step", 2 * bank.n_eval, 0, stage1_s + 2 * held))
     if tc.stage2_steps:
         evals = _evaluations(tc.stage2_steps)
         extra = 1 - (1 - tc.control_prob) * (1 - tc.lora_prob)      # steps whose target the teacher recomputes
         seconds = tc.stage2_steps * (w["stage2_step_s"] + extra * per_input * b2) + evals * held + \
-            sum(score.values())                                                # the final per-site errors
+            sum(score.values()) + per_site("data_s")                           # the final per-site errors
         phases.append(Phase("stage 2", tc.stage2_steps, "step",
                             int(tc.stage2_steps * b2 * (1 + extra)) + evals * bank.n_eval,
                             tc.stage2_steps * b2, seconds))
-    return Plan(phases, work_folder_bytes(session, bank), w)
+    return phases

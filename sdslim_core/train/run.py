@@ -18,7 +18,7 @@ from .. import layout
 from ..io.adapters import AdapterSet
 from .config import TrainConfig
 from .init import initialise
-from .plan import make_plan
+from .plan import make_plan, replan
 from .session import Session
 from .sites import site_errors
 from .teacher import teacher_weights
@@ -68,15 +68,21 @@ def execute(session: Session) -> TrainResult:
     if tc.vram_estimate and not tc.allocates() and session.topo.main:
         r0 = ranks_mod.ratio_ranks(session.site_list, tc)
         vram_info = predict_for(session, r0, stage2.resolve_groups(session, r0))
-    plan = None
+    plan = plan_info = None
     if tc.plan and session.topo.main:
         plan = make_plan(session)
+        plan_info = plan.to_dict()
         session.say(plan.text())
     bank, store = cal.calibrate(session, fp)
     t_ranks = time.perf_counter()
     ranks, budget_info = ranks_mod.choose_ranks(session, bank, store)
     if tc.allocates():
         session.timing["ranks_s"] = time.perf_counter() - t_ranks
+        if plan is not None:
+            after = replan(session, plan, ranks)
+            plan_info = dict(plan_info, after_ranks=after.to_dict())
+            session.say(f"after rank allocation ({len(ranks)} sites slimmed): stage 1 ~{after.phases[-2].seconds:.0f} "
+                        f"s, stage 2 ~{after.phases[-1].seconds:.0f} s; ETA of the whole run ~{after.eta_s:.0f} s")
     if not ranks:
         raise ValueError("no site would be slimmed with these settings (every rank is the full width)")
     if tc.vram_estimate and tc.allocates() and session.topo.main:
@@ -84,7 +90,7 @@ def execute(session: Session) -> TrainResult:
     aset_init, table, err_init = initialise(session, store, ranks)
     report = report_mod.TrainReport(family=session.cfg.family, ranks=dict(aset_init.ranks()), init_table=table,
                                     vram=vram_info, budget={k: v for k, v in budget_info.items() if k != "curves"},
-                                    work_dir=str(session.work_dir), plan=None if plan is None else plan.to_dict())
+                                    work_dir=str(session.work_dir), plan=plan_info)
     stage1_total = tc.stage1_steps * len(session.owned_sites(aset_init.sites))
     session.progress.total = stage1_total + tc.stage2_steps
     t_stage = time.perf_counter()

@@ -3,7 +3,7 @@ same seeds, same prompts, same LoRA and ControlNet.
 
     .venv/bin/python bench/fidelity.py [--teachers tiny,wide] [--targets 0.85,0.75,half,0.55]
         [--budgets init,demo,long] [--long-at half] [--trained-at half] [--stack fp8,q8_0,q4_0]
-        [--out out/bench-fidelity] [--reuse] [--ablation]
+        [--out out/bench-fidelity] [--reuse] [--ablation] [--allocation anchored|e2e|site] [--alloc-inputs N]
 
 For each shipped teacher (``tiny``: base width 32; ``wide``: base width 64) and each target slim parameter ratio
 (``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks, ranks allocated at equal parameters and
@@ -68,8 +68,9 @@ def uniform_ratio_for(shapes: dict, target: float) -> float:
 class Teacher:
     """One shipped teacher with everything the ladder compares on."""
 
-    def __init__(self, name: str, n_images: int = 12, seed: int = 0, reuse: bool = False):
+    def __init__(self, name: str, n_images: int = 12, seed: int = 0, reuse: bool = False, allocation=None):
         self.name, self.reuse = name, reuse
+        self.allocation = dict(allocation or {})         # TrainConfig's allocation / alloc_inputs for every training
         assets = tiny.TEACHERS[name]
         self.pipe = tiny.load_tiny_pipeline(assets.model)
         self.cfg = self.pipe.checkpoint.config
@@ -105,7 +106,7 @@ class Teacher:
         ``ratio``."""
         tc = TrainConfig(ratio=ratio, uniform=mode == "uniform", budget_by="flops" if mode == "flops" else "params",
                          guidance=4.0, latent_size=self.pipe.latent_size, seed=0, work_dir=str(work),
-                         **BUDGETS[budget])
+                         **BUDGETS[budget], **self.allocation)
         out, record = work / "adapters.safetensors", work / "cpu_s.json"
         if self.reuse and out.exists() and record.exists():
             return adapters.AdapterSet.load(out), json.loads(record.read_text())["cpu_s"]
@@ -249,6 +250,9 @@ def main():
     ap.add_argument("--reuse", action="store_true",
                     help="reuse finished trainings in --out's work dirs (adapters + their recorded CPU time)")
     ap.add_argument("--out", default="out/bench-fidelity")
+    ap.add_argument("--allocation", choices=("anchored", "e2e", "site"), default=None,
+                    help="the rank allocation's error (default: TrainConfig's, anchored)")
+    ap.add_argument("--alloc-inputs", type=int, default=None, help="held-out inputs per e2e measurement")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -261,7 +265,8 @@ def main():
     budgets = args.budgets.split(",")
     results = {}
     for name in args.teachers.split(","):
-        t = Teacher(name, reuse=args.reuse)
+        alloc = {k: v for k, v in (("allocation", args.allocation), ("alloc_inputs", args.alloc_inputs)) if v}
+        t = Teacher(name, reuse=args.reuse, allocation=alloc)
         best_half = None
         rows = [t.row("teacher (fp16)", t.pipe.unet, t.candidates.unet({**t.weights, **t.candidates.lora_delta}),
                       t.weights, None, None)]

@@ -102,6 +102,8 @@ TRAIN = NodeSpec(
      In("steps", "INT", 200, 1, 100000, 1, tooltip="training steps"),
      In("seed", "INT", 0, 0, 2 ** 31 - 1, 1),
      In("positive", "CONDITIONING", optional=True, tooltip="calibration conditioning (else: prompts via CLIP)"),
+     In("negative", "CONDITIONING", optional=True,
+        tooltip="CFG's unconditional branch, as at sampling (else: the empty prompt via CLIP, or zeros)"),
      In("clip", "CLIP", optional=True, tooltip="encodes 'prompts' when no conditioning is given"),
      In("prompts", "STRING", "", multiline=True, optional=True, tooltip="one calibration prompt per line"),
      In("budget", "STRING", "", optional=True,

@@ -11,19 +11,28 @@ import comfy.utils
 import folder_paths
 
 from sdslim_core import layout
+from sdslim_core.hosts import comfyui_conditioning
 
 from . import folding, paths
 
 
-def calibration_contexts(positive=None, clip=None, prompts: str = "") -> list:
-    """Cross-attention contexts for calibration: from CONDITIONING, else from ``prompts`` encoded by ``clip``."""
+def calibration_conditioning(positive=None, negative=None, clip=None, prompts: str = ""):
+    """(positive, negative) CONDITIONING for calibration: as connected, else ``prompts`` (one per line) and the
+    empty prompt encoded by ``clip``, as CLIP Text Encode would (pooled output included)."""
     if positive:
-        return [c[0] for c in positive]
+        if not negative and clip is not None:
+            negative = _encode(clip, "")
+        return positive, negative
     lines = [p.strip() for p in (prompts or "").splitlines() if p.strip()]
     if clip is None or not lines:
-        raise ValueError("sdslim: Train Slim Adapters needs calibration conditioning: connect 'positive', or a "
-                         "CLIP plus one prompt per line in 'prompts'")
-    return [clip.encode_from_tokens(clip.tokenize(p)) for p in lines]
+        raise ValueError("sdslim: Train Slim Adapters needs calibration conditioning: connect 'positive' (and "
+                         "'negative'), or a CLIP plus one prompt per line in 'prompts'")
+    return [c for p in lines for c in _encode(clip, p)], negative or _encode(clip, "")
+
+
+def _encode(clip, text: str) -> list:
+    cond, pooled = clip.encode_from_tokens(clip.tokenize(text), return_pooled=True)
+    return [[cond, {"pooled_output": pooled}]]
 
 
 def teacher(model) -> tuple[dict, layout.UNetConfig]:
@@ -45,19 +54,19 @@ def native_latent_size(model) -> int | None:
 
 
 def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-        latent_size=0) -> str:
+        latent_size=0, negative=None) -> str:
     """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report.
 
     Calibration runs at ``latent_size`` (0: the model's native size). The work folder (calibration data,
     checkpoints) lives in ``sdslim_work/`` beside ``models/sdslim`` and is removed once the file is written;
     an interrupted run keeps it and resumes from it."""
     try:
-        from sdslim_core.train import Calibration, train_adapters
+        from sdslim_core.train import train_adapters
     except ImportError as err:
         raise RuntimeError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
                            f"(pip install -r requirements.txt): {err}") from None
     out = paths.output_path(folder_paths, filename)
-    calib = Calibration.from_contexts(calibration_contexts(positive, clip, prompts))
+    calib, notes = comfyui_conditioning.calibration(*calibration_conditioning(positive, negative, clip, prompts))
     bar = comfy.utils.ProgressBar(1)
 
     def progress(done, total, *_):
@@ -74,4 +83,4 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", steps=steps,
                             seed=seed, device=str(model.load_device), work_dir=work, **options)
     shutil.rmtree(work, ignore_errors=True)
-    return f"adapters written to {out}\n\n{result.report}"
+    return "\n".join([f"adapters written to {out}", *notes, "", str(result.report)])

@@ -496,6 +496,7 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     out = node.execute(model=with_lora, filename="trained", ratio=0.5, steps=2, seed=0, positive=cond,
                        latent_size=6)                                   # resumes
     assert "adapters written to" in out.args[0] and out.ui.as_dict()["text"] == (out.args[0],)
+    assert "no negative conditioning: CFG's unconditional branch is zeros" in out.args[0]
     assert not work.exists() and not any(p.is_dir() for p in adapter_dir.iterdir())   # removed after success
     aset = AdapterSet.load(adapter_dir / "trained.safetensors")
     assert aset.family == "sd15" and set(aset.sites) == {s.name for s in layout.sites(weights)}
@@ -503,6 +504,14 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     node.execute(model=with_lora, filename="fresh", ratio=0.5, steps=2, seed=0, positive=cond, latent_size=6)
     fresh = AdapterSet.load(adapter_dir / "fresh.safetensors")
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in aset.state_dict().items())   # resume is exact
+    neg = [[torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(3)), {}]]
+    out = node.execute(model=with_lora, filename="negative", ratio=0.5, steps=2, seed=0, positive=cond, negative=neg,
+                       latent_size=6)
+    assert "no negative" not in out.args[0]
+    with_neg = AdapterSet.load(adapter_dir / "negative.safetensors")
+    assert with_neg.metadata["sdslim.train"]["data"]["negative"] == "connected"
+    theirs = with_neg.state_dict()
+    assert any(not torch.equal(theirs[k], v) for k, v in aset.state_dict().items())   # the negative branch mattered
     monkeypatch.setattr(with_lora.model.model_config, "sdslim_latent_size", 4, raising=False)   # as the tiny loader
     node.execute(model=with_lora, filename="native", ratio=0.5, steps=2, seed=0, positive=cond)
     assert AdapterSet.load(adapter_dir / "native.safetensors").metadata["sdslim.train"]["config"]["latent_size"] == 4
@@ -510,7 +519,7 @@ def test_train_node_writes_a_usable_adapter_file_and_resumes(comfy, tiny, adapte
     from safetensors.torch import save_file
     save_file(_kohya_lora(weights, [ATTN], seed=1), str(adapter_dir / "a_lora.safetensors"))
     listed = _node(comfy, "SdslimSlimUNet").define_schema().inputs[1].options
-    assert {"trained.safetensors", "fresh.safetensors", "native.safetensors"} <= set(listed)
+    assert {"trained.safetensors", "fresh.safetensors", "native.safetensors", "negative.safetensors"} <= set(listed)
     assert "a_lora.safetensors" not in listed and not any(".work" in n for n in listed)
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=with_lora, adapters="trained.safetensors", strength=1.0,
                                                      enable=True).args

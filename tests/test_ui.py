@@ -1,11 +1,12 @@
 """`sdslim ui` without a browser: path confinement, the planner's CLI arguments, slim errors, the helpers it adds."""
+import functools
 import json
 import os
 import threading
 
 import pytest
 
-from sdslim_core import cli
+from sdslim_core import cli, layout
 from sdslim_core.ui import actions
 from sdslim_core.ui.paths import PathNotAllowed, Roots
 from sdslim_core.vram.estimate import BREAKDOWN_GROUPS, grouped_breakdown
@@ -254,3 +255,29 @@ def test_figure_curves_draws_the_gpu_line(tmp_path):
     assert list(lines["GPU memory 6 GiB"].get_ydata()) == [6.0, 6.0]
     path = plot_curves([dict(c, group="lora") for c in curves], tmp_path / "p.png", "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_encodes_prompt_and_negative_with_the_checkpoints_text_encoders(tmp_path, monkeypatch):
+    """The Compare tab on a checkpoint that carries its text encoder: the same numbers as `sdslim eval --prompt
+    … --negative …`."""
+    from sdslim_core.apps.evaluate import evaluate
+    from sdslim_core.io.adapters import AdapterSet
+    from sdslim_core.modules.unet import open_checkpoint
+    from sdslim_core.text import tokenizer
+    from text_fixtures import write_checkpoint
+    vocab = tokenizer.vocabulary_from_bpe(tokenizer._open_clip_bpe(), tmp_path / "vocab")
+    monkeypatch.setenv("SDSLIM_TOKENIZER", str(vocab))
+    ckpt = write_checkpoint(tmp_path / "m.safetensors", "sd15", seed=1)
+    weights = dict(open_checkpoint(ckpt).weights.items())
+    AdapterSet.init_select(weights, {s.name: s.width // 2 for s in layout.sites(weights)}, "sd15").save(
+        tmp_path / "a.safetensors")
+    roots = Roots([tmp_path])
+    monkeypatch.setattr(actions, "evaluate", functools.partial(evaluate, latent_size=16))   # a quick latent size
+    _, table, text, result = actions.run_compare(roots, "m.safetensors", "a.safetensors", [], 1, 2,
+                                                 prompt="a photo of a cat", negative="blurry")
+    assert "prompt 'a photo of a cat', negative 'blurry'" in result["conditioning"] and "negative 'blurry'" in table
+    want = evaluate(ckpt, tmp_path / "a.safetensors", seeds=1, steps=2, prompt="a photo of a cat", negative="blurry",
+                    latent_size=16)
+    assert result["eps_rel_error"]["overall"] == pytest.approx(want["eps_rel_error"]["overall"], rel=1e-6)
+    other = evaluate(ckpt, tmp_path / "a.safetensors", seeds=1, steps=2, prompt="a photo of a cat", latent_size=16)
+    assert other["eps_rel_error"]["overall"] != pytest.approx(want["eps_rel_error"]["overall"], rel=1e-6)

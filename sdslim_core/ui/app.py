@@ -165,8 +165,11 @@ def build_app(roots: Roots, planner: Planner | None = None):
                                                                   "adapter file")
                         c_seeds = gr.Slider(1, 8, 2, step=1, label="seeds", elem_id="cmp-seeds")
                         c_steps = gr.Slider(1, 100, 20, step=1, label="sampling steps", elem_id="cmp-steps")
-                        c_prompt = gr.Textbox("", label="prompt (only for a text encoder that runs offline, "
-                                                        "e.g. the shipped tiny model)", elem_id="cmp-prompt")
+                        c_prompt = gr.Textbox("", label="prompt (encoded by the checkpoint's own text encoders, "
+                                                        "as ComfyUI's CLIP Text Encode; (word:1.2) emphasis)",
+                                              elem_id="cmp-prompt")
+                        c_negative = gr.Textbox("", label="negative prompt (CFG's unconditional branch)",
+                                                elem_id="cmp-negative")
                         c_emb = file_picker("embeddings file (optional: 'context' [+ 'uncond'])", "cmp-emb",
                                             optional=True)
                         c_run = gr.Button("Compare", variant="primary", elem_id="cmp-run")
@@ -283,15 +286,15 @@ def build_app(roots: Roots, planner: Planner | None = None):
                     [s_status, s_log, s_json]).then(on_rescan, outputs=pickers)
 
         def on_compare(ckpt, adapters, *rest):
-            loras, (seeds, steps, prompt, emb) = pairs(rest[:2 * MAX_LORAS]), rest[2 * MAX_LORAS:]
+            loras, (seeds, steps, prompt, negative, emb) = pairs(rest[:2 * MAX_LORAS]), rest[2 * MAX_LORAS:]
             try:
                 image, table, text, result = actions.run_compare(roots, ckpt, adapters, loras, seeds, steps,
-                                                                 prompt, emb)
+                                                                 prompt, emb, negative)
             except Exception as err:  # noqa: BLE001
                 return _error(actions.user_error("eval", err)), None, "", None
             return text.replace("\n", "  \n"), image, table, result
 
-        c_run.click(on_compare, [c_ckpt, c_adapters] + c_loras + [c_seeds, c_steps, c_prompt, c_emb],
+        c_run.click(on_compare, [c_ckpt, c_adapters] + c_loras + [c_seeds, c_steps, c_prompt, c_negative, c_emb],
                     [c_status, c_image, c_table, c_json])
     return app
 

@@ -10,7 +10,8 @@ this machine: UNet forwards/backwards and seconds per phase, work-folder bytes, 
 (3) A short run of the real phases on four sites (the first and the deepest FeedForward and ResBlock) with a few
 units of each phase (2 trajectories of 2 steps, 3 stage-1 steps per site, 2 stage-2 steps): seconds per unit
 (trajectory of the default 20 steps, captured input, rank-curve site, stage-1 step, stage-2 step), RAM peak and
-work-folder bytes, next to what the plan predicted for that short run.
+work-folder bytes, next to what the plan predicted for that short run. (4) ``sdslim slim`` with those adapters and
+``sdslim eval --prompt`` (1 seed, 2 steps): the whole path prompts → adapters → slim model → comparison.
 Tiny/wide teachers (``--teachers``): the demo's budget at ratio 0.5, the printed ETAs (before the run, and after the
 rank allocation) against the measured run.
 """
@@ -34,6 +35,8 @@ import torch  # noqa: E402
 import random_checkpoint  # noqa: E402
 from sdslim_core import layout, tiny  # noqa: E402
 from sdslim_core.apps.demo import FULL  # noqa: E402
+from sdslim_core.apps.evaluate import evaluate  # noqa: E402
+from sdslim_core.apps.slim import slim_checkpoint  # noqa: E402
 from sdslim_core.modules.unet import open_checkpoint  # noqa: E402
 from sdslim_core.text.conditioning import PromptEncoder  # noqa: E402
 from sdslim_core.tiny import data as tiny_data  # noqa: E402
@@ -110,6 +113,16 @@ def real_shapes(family: str, cache: Path, out: Path) -> dict:
                        "rank_curve_site": timing.get("ranks_s", 0) / len(session.site_order),
                        "stage1_step": timing.get("stage1_s_per_step"), "stage2_step": timing.get("stage2_s_per_step")},
         "work_bytes": _folder_bytes(session.work_dir), "predicted": short_plan.to_dict(), "rss_peak_gib": _rss_peak_gib()}
+    # (4) the rest of the path: slim the checkpoint with these adapters, compare teacher and slim with a prompt
+    adapters = out / f"{family}_short.safetensors"
+    t0 = time.perf_counter()
+    slim_checkpoint(path, adapters, out / f"{family}_slim.safetensors")
+    slim_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ev = evaluate(path, adapters, seeds=1, steps=2, prompt=PROMPTS[0], negative="blurry, low quality", compare=())
+    row["slim_eval"] = {"slim_s": slim_s, "eval_s": time.perf_counter() - t0, "conditioning": ev["conditioning"],
+                        "eps_rel_error": ev["eps_rel_error"]["overall"], "latent_psnr_db": ev["latent_psnr_db"]["mean"],
+                        "params": ev["params"]}
     return row
 
 
@@ -163,6 +176,9 @@ def main(argv=None):
               f"work {s['work_bytes'] / 2 ** 20:.0f} MiB (plan {s['predicted']['work_bytes'] / 2 ** 20:.0f} MiB), "
               f"RSS peak {s['rss_peak_gib']:.1f} GiB; per unit: " +
               ", ".join(f"{k} {v:.2f} s" for k, v in s["per_unit_s"].items() if v is not None))
+        e = row["slim_eval"]
+        print(f"  slim {e['slim_s']:.0f} s, eval --prompt {e['eval_s']:.0f} s: eps error {e['eps_rel_error']:.4f}, "
+              f"params {e['params']['teacher'] / 1e6:.0f}M -> {e['params']['slim'] / 1e6:.0f}M")
     for t in results["teachers"]:
         print(f"{t['teacher']}: measured {t['measured_s']:.0f} s; ETA before the run {t['eta_s']:.0f} s "
               f"(×{t['ratio']:.2f}), after the rank allocation {t['eta_after_ranks_s']:.0f} s (×{t['ratio_after_ranks']:.2f})")

@@ -228,11 +228,14 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     def base(ckey: str) -> torch.Tensor:
         return reader[mapping[ckey]]
 
+    wide = quant is not None or weight_dtype is not None   # stored in another dtype: fold in float32, round once
+
     def merged_or_base(ckey: str):
         if ckey not in canon_shapes:
             return None
         t = base(ckey)
-        return (merger.merge(ckey, t) if ckey in touched else t).to(dev)
+        t = merger.merge(ckey, t) if ckey in touched else t
+        return t.to(dev, torch.float32) if wide and t.dtype != torch.float64 else t.to(dev)
 
     def adapter_tensors(site: str) -> dict:
         if site not in site_cache:

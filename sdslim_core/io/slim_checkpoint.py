@@ -46,13 +46,14 @@ def is_slim_checkpoint(ckpt) -> bool:
     return path.is_file() and path.suffix.lower() == ".safetensors" and read_header(path)[1].get(SLIM_KEY) == "1"
 
 
-def site_reader(path, aset: AdapterSet, prefix: str = "", opener: Callable = LazyStateDict) -> Callable[[str], dict]:
+def site_reader(path, aset: AdapterSet, prefix: str = "", opener: Callable | None = None) -> Callable[[str], dict]:
     """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf.
 
     The file is opened (``opener(path)``: its tensors by name; default a ``.safetensors`` reader) for each read and
     never held open (a reader may live as long as a host's model does), and a file whose size or modification time
     changed since the reader was made is refused: its tensors may no longer be the ones that were folded."""
     path = Path(path)
+    opener = opener or LazyStateDict
     stamp = _stamp(path)
     checked: set[str] = set()
 
@@ -88,10 +89,10 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
 
 
 def adapters_of(path, cfg: layout.UNetConfig, meta: dict, entries: dict, adapters=None,
-                opener: Callable = LazyStateDict) -> tuple[AdapterSet, Callable[[str], dict]]:
+                opener: Callable | None = None) -> tuple[AdapterSet, Callable[[str], dict]]:
     """:func:`slim_adapters` for a slim file of any format: ``meta`` its decoded ``sdslim.*`` metadata, ``entries``
-    its tensor name → (dtype, shape), ``opener(path)`` its tensors by name (the embedded adapters are read with it;
-    an adapter file is a ``.safetensors``)."""
+    its tensor name → (dtype, shape), ``opener(path)`` its tensors by name (default: a ``.safetensors`` reader; the
+    embedded adapters are read with it, an adapter file is always a ``.safetensors``)."""
     origin = meta.get("sdslim.adapters") or {}
     ranks = meta.get("sdslim.ranks") or {}
     if adapters is not None:

@@ -54,10 +54,22 @@ class SlimInfo:
     space: object = None               # lora_slim.SlimSpace of the folded adapters (None: LoRAs cannot be converted)
 
 
+GGUF_INSTEAD = ("Slim the model's original .safetensors and write it as GGUF once instead: `sdslim slim --ckpt "
+                "model.safetensors --adapters ADAPTERS.safetensors --format gguf --quant Q4_0 --out "
+                "models/unet/model-slim-Q4_0.gguf`, then load that with Load Slim GGUF (sdslim)")
+
+
 def check_weights(kp: dict) -> None:
-    """Refuse weights that cannot be read as plain floating-point tensors (GGUF-quantised, int8, …)."""
+    """Refuse weights that cannot be read as plain floating-point tensors (GGUF-quantised, int8, …); a GGUF model
+    (ComfyUI-GGUF's tensors carry a ``tensor_type``) is told how to stack slim with GGUF instead."""
     for key, entry in kp.items():
         w = entry[0][0]
+        qtype = getattr(w, "tensor_type", None)
+        if qtype is not None and getattr(qtype, "name", str(qtype)) not in ("F32", "F16"):
+            raise SlimError(f"sdslim: weight '{key}' is GGUF-quantised ({getattr(qtype, 'name', qtype)}, a "
+                            "ComfyUI-GGUF model). Slim UNet folds plain weights: folding dequantised GGUF weights "
+                            "and quantising the folded layers again would stack two quantisation errors, and the "
+                            "K-quants most GGUF files use have no quantiser outside llama.cpp. " + GGUF_INSTEAD)
         if type(w) not in (torch.Tensor, torch.nn.Parameter) or not torch.is_floating_point(w):
             kind = type(w).__name__ if type(w) not in (torch.Tensor, torch.nn.Parameter) else str(w.dtype)
             raise SlimError(f"sdslim: weight '{key}' is a {kind} (quantised, e.g. GGUF); Slim UNet folds plain "

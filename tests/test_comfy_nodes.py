@@ -582,10 +582,10 @@ class _GGMLTensor(torch.Tensor):
 def test_slim_unet_refuses_a_gguf_model_saying_how_to_stack_slim_with_gguf(pack, model):
     patcher, weights = model
     key = f"diffusion_model.{RES}.in_layers.2.weight"
-    gguf_model = patcher.clone()
-    kp = patcher.get_key_patches("diffusion_model.")
-    kp[key] = [(torch.zeros(100, dtype=torch.uint8).as_subclass(_GGMLTensor), kp[key][0][1])]
-    gguf_model.get_key_patches = lambda prefix=None: kp
+    gguf_model = copy.deepcopy(patcher)
+    conv = gguf_model.model.diffusion_model.get_submodule(f"{RES}.in_layers.2")
+    conv.weight = torch.nn.Parameter(torch.zeros(100, dtype=torch.uint8).as_subclass(_GGMLTensor), requires_grad=False)
+    gguf_model.get_key_patches = None          # ComfyUI-GGUF's fake state-dict entries break it: never reached
     with pytest.raises(pack.folding.SlimError, match=rf"'{key}' is GGUF-quantised \(Q4_K.*two quantisation errors.*"
                                                      r"sdslim slim --ckpt .* --format gguf --quant Q4_0.*Load Slim "
                                                      r"GGUF"):

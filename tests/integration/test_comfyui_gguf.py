@@ -28,8 +28,7 @@ LOADER = "SdslimLoadSlimGGUF"
 
 @pytest.fixture(scope="module")
 def comfy():
-    """ComfyUI imported on CPU with the sdslim pack loaded as ComfyUI loads custom nodes (shared with
-    test_comfyui_real.py when both run)."""
+    """ComfyUI imported on CPU with the sdslim pack loaded as ComfyUI loads custom nodes."""
     sys.path.insert(0, COMFY)
     if not hasattr(sys.modules.get("nodes"), "NODE_CLASS_MAPPINGS"):
         sys.modules.pop("nodes", None)     # the repo's nodes/ package must not shadow ComfyUI's nodes.py
@@ -40,12 +39,13 @@ def comfy():
     import comfy.supported_models
     import folder_paths
     import nodes
-    pack = sys.modules.get("sdslim_pack")
+    name = "sdslim_pack_gguf"              # its own module tree: test_comfyui_real.py loads the pack afresh too
+    pack = sys.modules.get(name)
     if pack is None:
-        spec = importlib.util.spec_from_file_location("sdslim_pack", os.path.join(ROOT, "__init__.py"),
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "__init__.py"),
                                                       submodule_search_locations=[ROOT])
         pack = importlib.util.module_from_spec(spec)
-        sys.modules["sdslim_pack"] = pack
+        sys.modules[name] = pack
         spec.loader.exec_module(pack)
     return {"pack": pack, "nodes": nodes, "folder_paths": folder_paths, "sd": comfy.sd,
             "supported_models": comfy.supported_models}

@@ -15,7 +15,8 @@ from a written file: ``sdslim slim``'s writer (``apps.slim.slim_checkpoint(..., 
 or the slim model without embedded adapters) into ``--out``/gguf, read back through the gguf package's dequantiser
 (``io.gguf.read_unet``), the LoRA added to the dequantised weights as ComfyUI-GGUF adds it; its bytes are the
 file's size on disk. CPU time is the training process's CPU seconds (calibration included). Columns: params ×,
-weight bytes (fp16 and fp8: the weights' own; GGUF: the file), UNet forward FLOPs ×, same-seed latent PSNR, image PSNR / SSIM, ε relative error (and
+weight bytes (fp16 and fp8: the weights' own; GGUF: the file), UNet forward FLOPs ×, same-seed latent PSNR, image
+PSNR / SSIM, ε relative error (and
 CFG-guided), LoRA-effect cosine, ControlNet-effect cosine. ``--ablation`` adds the held-out per-site error of each
 initialisation step (v0.1's act_select → whole norm2 groups → OBS selection → FF intercept) and the whole-UNet
 error of a sequential refit of the allocated init.

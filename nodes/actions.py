@@ -43,6 +43,7 @@ def load_slim_checkpoint(ckpt_name: str) -> Result:
 
 def load_slim_gguf(unet_name: str) -> Result:
     from . import gguf
+    gguf.comfyui_gguf()                 # without ComfyUI-GGUF, that is what the user is told first
     return Result((gguf.load(paths.resolve_gguf(folder_paths, unet_name)),))
 
 

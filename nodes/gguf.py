@@ -20,8 +20,6 @@ import importlib
 import sys
 import types
 
-import comfy.utils
-
 from sdslim_core import layout
 from sdslim_core.io import gguf as io_gguf
 from sdslim_core.io import slim_checkpoint
@@ -88,6 +86,7 @@ def load(path: str):
     """The MODEL of the slim GGUF UNet at ``path`` (a ``GGUFModelPatcher`` marked slim, with the file's adapters)."""
     gg = comfyui_gguf()
     import comfy.sd
+    import comfy.utils
     if not io_gguf.is_slim_gguf(path):
         raise folding.SlimError(f"sdslim: {path} is not a slim GGUF file (no sdslim.slim=1 metadata); load it with "
                                 "Unet Loader (GGUF), or make one with `sdslim slim ... --format gguf`")

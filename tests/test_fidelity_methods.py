@@ -264,7 +264,8 @@ def test_gguf_round_trips_match_llama_cpp_formulas_and_byte_counts():
     q8, q4 = quant.round_trip({"w": w}, "q8_0")["w"], quant.round_trip({"w": w}, "q4_0")["w"]
     assert torch.allclose(q8.double(), _q8_0_reference(w), rtol=0, atol=1e-6)
     assert torch.allclose(q4.double(), _q4_0_reference(w), rtol=0, atol=1e-6)
-    assert quant.tensor_bytes(w, "q8_0") == w.numel() // 32 * 34 and quant.tensor_bytes(w, "q4_0") == w.numel() // 32 * 18
+    assert quant.tensor_bytes(w, "q8_0") == w.numel() // 32 * 34
+    assert quant.tensor_bytes(w, "q4_0") == w.numel() // 32 * 18
     small, bias = torch.randn(8, 16), torch.randn(320)
     for method in quant.GGUF_METHODS:
         assert torch.equal(quant.round_trip({"s": small}, method)["s"], small) and \

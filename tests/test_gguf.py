@@ -3,7 +3,6 @@ and each block format's error bound computed here in float64), metadata, atomic 
 `sdslim slim --format gguf` end to end on the shipped tiny teacher (against the in-memory fold, a second code
 path)."""
 import json
-import math
 import os
 import sys
 
@@ -85,7 +84,7 @@ def test_round_trip_is_the_gguf_packages_dequantisation_within_the_block_formats
         assert t.tensor_type.name == want_type, name
         assert tuple(int(d) for d in reversed(t.shape)) == rows, name            # what the file holds
         field = reader.get_field(io_gguf.ORIG_SHAPE + name)
-        if rows != shape:                                                        # the logical shape, as ComfyUI-GGUF reads it
+        if rows != shape:                     # the logical shape, where ComfyUI-GGUF reads it
             assert [gguf.GGUFValueType(x) for x in field.types] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
             assert tuple(int(field.parts[i][0]) for i in field.data) == shape
         else:
@@ -172,7 +171,8 @@ def test_slim_to_gguf_is_the_in_memory_fold_quantised_once(teacher, tmp_path, ca
                         "--quant", "Q4_0", "--out", out, "--json")
     assert rc == 0
     info = json.loads(stdout)
-    assert info["gguf_type"] == "Q4_0" and info["file_bytes"] == os.path.getsize(out) and info["sites"] == len(aset.sites)
+    assert info["gguf_type"] == "Q4_0" and info["file_bytes"] == os.path.getsize(out)
+    assert info["sites"] == len(aset.sites)
     folded = {**weights, **fold.fold_state_dict(weights, aset)}          # the second code path: in memory
     got, cfg, meta = io_gguf.read_unet(out)
     assert set(got) == set(folded)                                       # the UNet only, bare LDM names
@@ -182,7 +182,8 @@ def test_slim_to_gguf_is_the_in_memory_fold_quantised_once(teacher, tmp_path, ca
     assert f.architecture == "sd1" and f.fields["general.file_type"] == 2
     assert {f.types[k] for k in got if f.entries[k][1] and len(f.entries[k][1]) == 1} == {"F32"}
     assert meta["sdslim.slim"] == 1 and meta["sdslim.family"] == "sd15" and meta["sdslim.gguf_type"] == "Q4_0"
-    assert meta["sdslim.ranks"] == aset.ranks() and meta[layout.UNET_CONFIG_KEY] == json.loads(json.dumps(cfg.to_dict()))
+    assert meta["sdslim.ranks"] == aset.ranks()
+    assert meta[layout.UNET_CONFIG_KEY] == json.loads(json.dumps(cfg.to_dict()))
     assert meta["sdslim.norm_groups"] == {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"}
     assert meta["sdslim.adapters"]["sha256"] == sha256_file(HALF)
     # the embedded adapters are the adapter file's tensors, exactly (F32 as in the file), read back per site
@@ -239,7 +240,8 @@ def test_refusals_name_the_setting_and_write_nothing(tmp_path, capsys, monkeypat
     with pytest.raises(core_slim.SlimError, match="already quantised; slim the .safetensors"):
         core_slim.slim_checkpoint(tmp_path / "in.gguf", HALF, tmp_path / "x.gguf", quant="Q8_0")
     monkeypatch.setitem(sys.modules, "gguf", None)                       # the package not installed
-    rc, _, err = run(capsys, "slim", "--ckpt", ckpt, "--adapters", HALF, "--format", "gguf", "--out", tmp_path / "y.gguf")
+    rc, _, err = run(capsys, "slim", "--ckpt", ckpt, "--adapters", HALF, "--format", "gguf",
+                     "--out", tmp_path / "y.gguf")
     assert rc == 2 and "needs gguf, which is not installed; install it with `pip install sdslim[gguf]` (or `pip " \
                        "install gguf`)" in err
     assert sorted(os.listdir(tmp_path)) == ["in.gguf"]

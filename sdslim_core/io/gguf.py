@@ -201,8 +201,8 @@ def write(path, plans: Sequence[TensorPlan], produce: Callable[[str], torch.Tens
     return path
 
 
-def write_unet(path, entries: Sequence[tuple[str, torch.dtype, tuple]], exact: set, produce: Callable[[str], torch.Tensor],
-               qtype: str, family: str, metadata: Mapping) -> Path:
+def write_unet(path, entries: Sequence[tuple[str, torch.dtype, tuple]], exact: set,
+               produce: Callable[[str], torch.Tensor], qtype: str, family: str, metadata: Mapping) -> Path:
     """A UNet as GGUF: ``entries`` [(name, dtype, shape)] in order, canonical UNet keys stored by :func:`plan` in
     ``qtype`` and the names in ``exact`` (embedded adapters) as they are; ``general.architecture`` from the
     ``family``; ``metadata`` plus :data:`QUANT_KEY`."""

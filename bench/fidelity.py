@@ -1,17 +1,22 @@
-"""The fidelity ladder: slim UNets next to what users pick instead (fp8 storage, GGUF Q8_0/Q4_0), same teacher,
+"""The fidelity ladder: slim UNets next to what users pick instead (fp8 storage, GGUF Q8_0 … Q4_0), same teacher,
 same seeds, same prompts, same LoRA and ControlNet.
 
     .venv/bin/python bench/fidelity.py [--teachers tiny,wide] [--targets 0.85,0.75,half,0.55]
-        [--budgets init,demo,long] [--long-at half] [--trained-at half] [--stack fp8,q8_0,q4_0]
-        [--out out/bench-fidelity] [--reuse] [--ablation] [--allocation anchored|e2e|site] [--alloc-inputs N]
+        [--budgets init,demo,long] [--modes uniform,params,flops] [--long-at half] [--trained-at half]
+        [--gguf Q8_0,Q5_1,Q5_0,Q4_1,Q4_0] [--stack fp8,Q8_0,Q5_0,Q4_0] [--out out/bench-fidelity] [--reuse]
+        [--ablation] [--allocation anchored|e2e|site] [--alloc-inputs N]
 
 For each shipped teacher (``tiny``: base width 32; ``wide``: base width 64) and each target slim parameter ratio
 (``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks, ranks allocated at equal parameters and
 ranks allocated at uniform's forward FLOPs (``--budget-by flops``), training-free (``init``), after the demo's
 training budget (``demo``) and after a longer one (``long``, at ``--long-at`` targets only); the alternatives in
-the same table; each target's best allocated slim model stacked with fp8, Q8_0 and Q4_0 storage. CPU time is the
-training process's CPU seconds (calibration included). Columns: params ×, weight bytes (the format's own: fp16,
-fp8, GGUF blocks), UNet forward FLOPs ×, same-seed latent PSNR, image PSNR / SSIM, ε relative error (and
+the same table; each target's best allocated slim model stacked with the ``--stack`` formats. Every GGUF row comes
+from a written file: ``sdslim slim``'s writer (``apps.slim.slim_checkpoint(..., quant=TYPE)``, the teacher unslimmed
+or the slim model without embedded adapters) into ``--out``/gguf, read back through the gguf package's dequantiser
+(``io.gguf.read_unet``), the LoRA added to the dequantised weights as ComfyUI-GGUF adds it; its bytes are the
+file's size on disk. CPU time is the training process's CPU seconds (calibration included). Columns: params ×,
+weight bytes (fp16 and fp8: the weights' own; GGUF: the file), UNet forward FLOPs ×, same-seed latent PSNR, image
+PSNR / SSIM, ε relative error (and
 CFG-guided), LoRA-effect cosine, ControlNet-effect cosine. ``--ablation`` adds the held-out per-site error of each
 initialisation step (v0.1's act_select → whole norm2 groups → OBS selection → FF intercept) and the whole-UNet
 error of a sequential refit of the allocated init.
@@ -71,7 +76,7 @@ class Teacher:
     def __init__(self, name: str, n_images: int = 12, seed: int = 0, reuse: bool = False, allocation=None):
         self.name, self.reuse = name, reuse
         self.allocation = dict(allocation or {})         # TrainConfig's allocation / alloc_inputs for every training
-        assets = tiny.TEACHERS[name]
+        self.assets = assets = tiny.TEACHERS[name]
         self.pipe = tiny.load_tiny_pipeline(assets.model)
         self.cfg = self.pipe.checkpoint.config
         self.weights = {k: v.float() for k, v in self.pipe.checkpoint.weights.items()}
@@ -99,6 +104,17 @@ class Teacher:
         n = sum(v.numel() for v in weights.values())
         r.update(label=label, params_ratio=n / self.params, bytes=quant.storage_bytes(weights, method),
                  flops_ratio=fidelity.forward_flops(model, *self.flop_args) / self.flops, cpu_s=cpu_s)
+        return r
+
+    def gguf_row(self, label: str, aset, qtype: str, path: Path, cpu_s: float | None) -> dict:
+        """The row of a written ``.gguf`` (the teacher when ``aset`` is None, else its slim form), read back."""
+        from sdslim_core.apps.slim import slim_checkpoint
+        from sdslim_core.io import gguf
+        slim_checkpoint(self.assets.model, aset, path, quant=qtype, embed_adapters=False)
+        stored, _, _ = gguf.read_unet(path)
+        model, model_lora = self.candidates.from_file(stored, aset)
+        r = self.row(label, model, model_lora, stored, None, cpu_s)
+        r.update(bytes=path.stat().st_size, file=str(path), gguf_type=qtype)
         return r
 
     def train(self, ratio: float, mode: str, budget: str, work: Path):
@@ -228,7 +244,7 @@ def fmt_row(r: dict) -> str:
             f"{f(r.get('lora_effect_cosine'), '.4f')} | {f(r.get('controlnet_effect_cosine'), '.4f')} | {cpu} |")
 
 
-STORAGE = {"fp8": "fp8 e4m3fn storage", "q8_0": "GGUF Q8_0", "q4_0": "GGUF Q4_0"}
+STORAGE = {"fp8": "fp8 e4m3fn storage"}
 
 HEADER = ("| row | params × | MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM | "
           "ε rel err | "
@@ -245,8 +261,11 @@ def main():
     ap.add_argument("--trained-at", default="", help="targets that get the training budgets (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ablation", action="store_true")
-    ap.add_argument("--stack", default="fp8,q8_0,q4_0",
-                    help="storage formats stacked on each target's best allocated slim model")
+    ap.add_argument("--modes", default="uniform,params,flops",
+                    help="rank modes of the training-free rows: uniform, params (allocated at equal params), flops")
+    ap.add_argument("--gguf", default="Q8_0,Q5_1,Q5_0,Q4_1,Q4_0", help="GGUF types of the teacher rows (files)")
+    ap.add_argument("--stack", default="fp8,Q8_0,Q5_0,Q4_0",
+                    help="storage stacked on each target's best allocated slim model: fp8, or GGUF types (files)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse finished trainings in --out's work dirs (adapters + their recorded CPU time)")
     ap.add_argument("--out", default="out/bench-fidelity")
@@ -259,7 +278,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     half = sd15_half()
     names = {"half": half}
-    targets = [names.get(x, None) or float(x) for x in args.targets.split(",")]
+    targets = [names.get(x, None) or float(x) for x in args.targets.split(",") if x]
+    gguf_dir = out / "gguf"
     long_at = [names.get(x, None) or float(x) for x in args.long_at.split(",") if x]
     trained_at = [names.get(x, None) or float(x) for x in args.trained_at.split(",") if x] or targets
     budgets = args.budgets.split(",")
@@ -270,9 +290,10 @@ def main():
         best_half = None
         rows = [t.row("teacher (fp16)", t.pipe.unet, t.candidates.unet({**t.weights, **t.candidates.lora_delta}),
                       t.weights, None, None)]
-        for method in quant.METHODS:
-            m, ml, w = t.candidates.quantised(method)
-            rows.append(t.row(STORAGE[method], m, ml, w, method, None))
+        m, ml, w = t.candidates.quantised("fp8")
+        rows.append(t.row(STORAGE["fp8"], m, ml, w, "fp8", None))
+        for qtype in [q for q in args.gguf.split(",") if q]:
+            rows.append(t.gguf_row(f"GGUF {qtype}", None, qtype, gguf_dir / f"{name}-teacher-{qtype}.gguf", None))
         print(f"\n## {name} teacher\n\n{HEADER}", flush=True)
         for r in rows:
             print(fmt_row(r), flush=True)
@@ -283,7 +304,7 @@ def main():
             for budget in budgets:
                 if budget == "long" and target not in long_at or budget != "init" and target not in trained_at:
                     continue
-                for mode in (("uniform", "params", "flops") if budget == "init" else ("params",)):
+                for mode in (args.modes.split(",") if budget == "init" else ("params",)):
                     work = out / "work" / f"{name}-{target:.3f}-{budget}-{mode}"
                     aset, cpu = t.train(ratio, mode, budget, work)
                     m, ml, w = t.candidates.slim(aset)
@@ -301,8 +322,13 @@ def main():
                         if budget == "init" and target == half:
                             best_half = aset
             for method in (args.stack.split(",") if best is not None and args.stack else ()):
-                m, ml, w = t.candidates.slim(best[0], method)
-                r = t.row(f"slim {tag}, allocated, {best[2]} + {STORAGE[method]}", m, ml, w, method, best[1])
+                label = f"slim {tag}, allocated, {best[2]} + "
+                if method == "fp8":
+                    m, ml, w = t.candidates.slim(best[0], method)
+                    r = t.row(label + STORAGE[method], m, ml, w, method, best[1])
+                else:
+                    r = t.gguf_row(label + f"GGUF {method}", best[0], method,
+                                   gguf_dir / f"{name}-slim{target:.3f}-{best[2]}-{method}.gguf", best[1])
                 rows.append(r)
                 print(fmt_row(r), flush=True)
         results[name] = {"rows": rows, "sd15_half": half}

@@ -41,6 +41,12 @@ def load_slim_checkpoint(ckpt_name: str) -> Result:
     return Result(loading.load(folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)))
 
 
+def load_slim_gguf(unet_name: str) -> Result:
+    from . import gguf
+    gguf.comfyui_gguf()                 # without ComfyUI-GGUF, that is what the user is told first
+    return Result((gguf.load(paths.resolve_gguf(folder_paths, unet_name)),))
+
+
 def vram_monitor(model) -> Result:
     out = model.clone()
     monitor.install(out)

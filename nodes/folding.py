@@ -54,8 +54,25 @@ class SlimInfo:
     space: object = None               # lora_slim.SlimSpace of the folded adapters (None: LoRAs cannot be converted)
 
 
+GGUF_INSTEAD = ("Slim the model's original .safetensors and write it as GGUF once instead: `sdslim slim --ckpt "
+                "model.safetensors --adapters ADAPTERS.safetensors --format gguf --quant Q4_0 --out "
+                "models/unet/model-slim-Q4_0.gguf`, then load that with Load Slim GGUF (sdslim)")
+
+
+def check_gguf(unet: torch.nn.Module) -> None:
+    """Refuse a GGUF model (ComfyUI-GGUF's weights carry a quantised ``tensor_type``), saying how to stack slim with
+    GGUF instead."""
+    for name, w in unet.named_parameters():
+        qtype = getattr(w, "tensor_type", None)
+        if qtype is not None and getattr(qtype, "name", str(qtype)) not in ("F32", "F16"):
+            raise SlimError(f"sdslim: weight '{PREFIX}{name}' is GGUF-quantised ({getattr(qtype, 'name', qtype)}, a "
+                            "ComfyUI-GGUF model). Slim UNet folds plain weights: folding dequantised GGUF weights "
+                            "and quantising the folded layers again would stack two quantisation errors, and the "
+                            "K-quants most GGUF files use have no quantiser outside llama.cpp. " + GGUF_INSTEAD)
+
+
 def check_weights(kp: dict) -> None:
-    """Refuse weights that cannot be read as plain floating-point tensors (GGUF-quantised, int8, …)."""
+    """Refuse weights that cannot be read as plain floating-point tensors (int8, raw blocks, …)."""
     for key, entry in kp.items():
         w = entry[0][0]
         if type(w) not in (torch.Tensor, torch.nn.Parameter) or not torch.is_floating_point(w):
@@ -235,6 +252,7 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     unet = getattr(base, "diffusion_model", None)
     if unet is None:
         raise SlimError("sdslim: this MODEL has no 'diffusion_model' (not a UNet model)")
+    check_gguf(unet)
     kp = model.get_key_patches(PREFIX)
     check_weights(kp)
     shapes = {k[len(PREFIX):]: tuple(v[0][0].shape) for k, v in kp.items()}

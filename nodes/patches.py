@@ -175,6 +175,12 @@ class SlimPatcher:
     """Mixin for the patcher of a slim model: patches made for the full-size layers are converted into slim space
     as they are added (LoRA loaders, hook LoRAs); see the module docstring."""
 
+    def clone(self, *args, **kwargs):
+        n = super().clone(*args, **kwargs)
+        if not isinstance(n, SlimPatcher):        # a patcher whose clone() sets its own class (ComfyUI-GGUF's)
+            n.__class__ = slim_class(type(n))
+        return n
+
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         fitted = fit_patches(self.model, patches, "a LoRA added after Slim UNet")
         report("a LoRA added after Slim UNet", fitted)

@@ -6,6 +6,7 @@ import os
 
 FOLDER = "sdslim"
 EXTENSIONS = frozenset({".safetensors"})
+GGUF_FOLDER = "diffusion_models"     # where ComfyUI (and ComfyUI-GGUF's Unet Loader) look for UNet files
 _HEADER_CHECKS: dict = {}
 
 
@@ -59,22 +60,58 @@ def slim_checkpoints(folder_paths) -> list[str]:
     return sorted(out)
 
 
+def slim_ggufs(folder_paths) -> list[str]:
+    """Slim ``.gguf`` UNets (header says ``sdslim.slim: 1``) in ComfyUI's ``diffusion_models`` (``unet``) folders,
+    as names relative to their folder. ComfyUI lists no ``.gguf`` there (ComfyUI-GGUF adds its own list), so the
+    folders are walked here."""
+    out = set()
+    if GGUF_FOLDER not in folder_paths.folder_names_and_paths:
+        return []
+    for root in folder_paths.get_folder_paths(GGUF_FOLDER):
+        for name in _gguf_names(root):
+            if _header_says(os.path.join(root, name), "gguf"):
+                out.add(name)
+    return sorted(out)
+
+
+def _gguf_names(root: str) -> list[str]:
+    names = []
+    for dirpath, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        names += [os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/") for f in files
+                  if f.lower().endswith(".gguf")]
+    return names
+
+
+def resolve_gguf(folder_paths, name: str) -> str:
+    """Absolute path of a slim ``.gguf`` chosen in Load Slim GGUF's combo; a clear error when it is gone."""
+    roots = folder_paths.get_folder_paths(GGUF_FOLDER)
+    for root in roots:
+        path = os.path.join(root, name)
+        if ".." not in name.replace("\\", "/").split("/") and os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"sdslim: '{name}' not found in models/{GGUF_FOLDER} (searched: {', '.join(roots)})")
+
+
 def _is_adapter(path: str) -> bool:
     return _header_says(path, "adapter")
 
 
 def _header_says(path: str, what: str) -> bool:
-    """Whether ``path`` is an sdslim adapter file / slim checkpoint, remembered per (path, size, mtime): the lists
-    are asked for on every page load."""
+    """Whether ``path`` is an sdslim adapter file / slim checkpoint / slim GGUF, remembered per (path, size,
+    mtime): the lists are asked for on every page load."""
     from sdslim_core.io.adapters import is_adapter_file
+    from sdslim_core.io.gguf import is_slim_gguf
     from sdslim_core.io.slim_checkpoint import is_slim_checkpoint
     from sdslim_core.io.tensors import FileFormatError
+    from sdslim_core.optional import MissingDependency
     st = os.stat(path)
     key = (what, path, st.st_size, st.st_mtime_ns)
     if key not in _HEADER_CHECKS:
         try:
-            _HEADER_CHECKS[key] = (is_adapter_file if what == "adapter" else is_slim_checkpoint)(path)
-        except (OSError, FileFormatError):
+            check = {"adapter": is_adapter_file, "slim": is_slim_checkpoint, "gguf": is_slim_gguf}[what]
+            _HEADER_CHECKS[key] = check(path)
+        except (OSError, FileFormatError, MissingDependency):
             _HEADER_CHECKS[key] = False
     return _HEADER_CHECKS[key]
 

@@ -93,6 +93,23 @@ LOAD_SLIM = NodeSpec(
     (Out("MODEL", "MODEL", "the slim model"), Out("CLIP", "CLIP"), Out("VAE", "VAE")),
     "load_slim_checkpoint")
 
+def _slim_ggufs() -> list:
+    import folder_paths
+
+    from . import paths
+    return paths.slim_ggufs(folder_paths)
+
+
+LOAD_GGUF = NodeSpec(
+    "SdslimLoadSlimGGUF", "Load Slim GGUF (sdslim)",
+    "Loads a slim UNet written as .gguf by `sdslim slim --format gguf --quant Q4_0` (Unet Loader (GGUF) cannot: "
+    "its layers are smaller), through ComfyUI-GGUF, which it needs: the weights stay quantised. LoRA loaders after "
+    "it apply exactly, converted with the adapters the file carries. Take CLIP and VAE from the original "
+    "checkpoint (a GGUF UNet file has none).",
+    (In("unet_name", "COMBO", options=_slim_ggufs, tooltip="slim .gguf files in models/unet (diffusion_models)"),),
+    (Out("MODEL", "MODEL", "the slim model"),),
+    "load_slim_gguf")
+
 TRAIN = NodeSpec(
     "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
     "Distils slim adapters for this MODEL and saves them to models/sdslim (resumable: run again to continue).",
@@ -154,4 +171,4 @@ TINY_DEMO = NodeSpec(
      Out("CONTROL_NET", "CONTROL_NET", "mask ControlNet: white shape on black (image channels are averaged)")),
     "tiny_demo")
 
-SPECS = (SLIM, LOAD_SLIM, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)
+SPECS = (SLIM, LOAD_SLIM, LOAD_GGUF, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)

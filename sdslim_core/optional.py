@@ -20,6 +20,7 @@ PACKAGES = {
     "xformers": ("xformers", "sdslim[xformers]"),
     "bitsandbytes": ("bitsandbytes", "bitsandbytes"),
     "matplotlib": ("matplotlib", "matplotlib"),
+    "gguf": ("gguf", "sdslim[gguf]"),               # GGUF files; ComfyUI-GGUF brings it to ComfyUI itself
 }
 
 

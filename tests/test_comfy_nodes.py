@@ -613,3 +613,47 @@ def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
     text = "\n".join(pack.report.estimate_lines(jobs[:1], 64, 64, 1))
     assert "2-byte weights" in text and "adamw" not in text and "fit:" not in text, text
     assert "frozen 1.60" in text, text                             # SD1.5's 859.5 M weights × 2 bytes
+
+
+# ------------------------------------------------------------------------------------------------------- GGUF
+
+class _GGMLTensor(torch.Tensor):
+    """What ComfyUI-GGUF's loader puts in a model: raw blocks, with the GGUF type (its ``tensor_type``)."""
+    tensor_type = types.SimpleNamespace(name="Q4_K")
+
+
+def test_slim_unet_refuses_a_gguf_model_saying_how_to_stack_slim_with_gguf(pack, model):
+    patcher, weights = model
+    key = f"diffusion_model.{RES}.in_layers.2.weight"
+    gguf_model = copy.deepcopy(patcher)
+    conv = gguf_model.model.diffusion_model.get_submodule(f"{RES}.in_layers.2")
+    conv.weight = torch.nn.Parameter(torch.zeros(100, dtype=torch.uint8).as_subclass(_GGMLTensor), requires_grad=False)
+    gguf_model.get_key_patches = None          # ComfyUI-GGUF's fake state-dict entries break it: never reached
+    with pytest.raises(pack.folding.SlimError, match=rf"'{key}' is GGUF-quantised \(Q4_K.*two quantisation errors.*"
+                                                     r"sdslim slim --ckpt .* --format gguf --quant Q4_0.*Load Slim "
+                                                     r"GGUF"):
+        pack.folding.slim_patcher(gguf_model, _aset(weights, 0.5))
+
+
+def test_load_slim_gguf_lists_slim_gguf_files_and_names_comfyui_gguf_when_it_is_missing(pack, tmp_path):
+    pytest.importorskip("gguf")
+    from sdslim_core import tiny
+    from sdslim_core.apps import slim as core_slim
+    gg = importlib.import_module(pack.folding.__name__.rsplit(".", 1)[0] + ".gguf")
+    fp = pack.folder_paths
+    unet_dir = tmp_path / "unet"
+    (unet_dir / "sub").mkdir(parents=True)
+    fp.folder_names_and_paths["diffusion_models"] = ([str(unet_dir)], {".safetensors"})
+    core_slim.slim_checkpoint(tiny.DEFAULT_PATH, tiny.ASSETS / "tiny_sd15_slim_half.safetensors",
+                              unet_dir / "sub" / "slim.gguf", quant="Q8_0")
+    core_slim.slim_checkpoint(tiny.DEFAULT_PATH, None, unet_dir / "full.gguf", quant="Q8_0")
+    (unet_dir / "broken.gguf").write_bytes(b"not a gguf")
+    assert pack.paths.slim_ggufs(fp) == ["sub/slim.gguf"]
+    assert pack.paths.resolve_gguf(fp, "sub/slim.gguf") == str(unet_dir / "sub" / "slim.gguf")
+    with pytest.raises(FileNotFoundError, match="'gone.gguf' not found in models/diffusion_models"):
+        pack.paths.resolve_gguf(fp, "gone.gguf")
+    with pytest.raises(pack.folding.SlimError, match=r"needs the ComfyUI-GGUF custom nodes \(city96/ComfyUI-GGUF\).*"
+                                                     r"ComfyUI-Manager.*git clone https://github.com/city96/ComfyUI-GGUF"):
+        gg.load(str(unet_dir / "sub" / "slim.gguf"))
+    del fp.folder_names_and_paths["diffusion_models"]
+    assert pack.paths.slim_ggufs(fp) == []

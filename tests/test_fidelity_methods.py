@@ -258,18 +258,23 @@ def _q4_0_reference(x):
 
 
 def test_gguf_round_trips_match_llama_cpp_formulas_and_byte_counts():
+    """ops.quant's GGUF rows are the gguf package's quantiser, checked here against llama.cpp's formulas."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(64, 32, 3, 3, generator=g, dtype=torch.float64)
-    assert torch.allclose(quant.q8_0(w), _q8_0_reference(w), rtol=0, atol=1e-6)
-    assert torch.allclose(quant.q4_0(w), _q4_0_reference(w), rtol=0, atol=1e-6)
-    assert quant.tensor_bytes(w, "q8_0") == w.numel() // 32 * 34 and quant.tensor_bytes(w, "q4_0") == w.numel() // 32 * 18
+    w = torch.randn(64, 32, 3, 3, generator=g)
+    q8, q4 = quant.round_trip({"w": w}, "q8_0")["w"], quant.round_trip({"w": w}, "q4_0")["w"]
+    assert torch.allclose(q8.double(), _q8_0_reference(w), rtol=0, atol=1e-6)
+    assert torch.allclose(q4.double(), _q4_0_reference(w), rtol=0, atol=1e-6)
+    assert quant.tensor_bytes(w, "q8_0") == w.numel() // 32 * 34
+    assert quant.tensor_bytes(w, "q4_0") == w.numel() // 32 * 18
     small, bias = torch.randn(8, 16), torch.randn(320)
-    for method in ("q8_0", "q4_0"):
-        assert torch.equal(quant.ROUND_TRIPS[method](small), small) and quant.tensor_bytes(small, method) == 4 * 128
-        assert torch.equal(quant.ROUND_TRIPS[method](bias), bias)
-    assert torch.equal(quant.fp8(w.float()), w.float().to(torch.float8_e4m3fn).float())
+    for method in quant.GGUF_METHODS:
+        assert torch.equal(quant.round_trip({"s": small}, method)["s"], small) and \
+            quant.tensor_bytes(small, method) == 4 * 128
+        assert torch.equal(quant.round_trip({"b": bias}, method)["b"], bias)
+    assert torch.equal(quant.fp8(w), w.to(torch.float8_e4m3fn).float())
     assert torch.equal(quant.fp8(bias), bias) and quant.tensor_bytes(w, "fp8") == w.numel()
-    errors = [fidelity.rel_error(quant.ROUND_TRIPS[m](w.float()), w.float()) for m in ("q8_0", "fp8", "q4_0")]
+    errors = [fidelity.rel_error(quant.round_trip({"w": w}, m)["w"], w) for m in ("q8_0", "fp8", "q5_1", "q5_0",
+                                                                                  "q4_1", "q4_0")]
     assert errors == sorted(errors) and errors[-1] < 0.15
     with pytest.raises(ValueError, match="unknown quantisation"):
         quant.round_trip({"w": w}, "q3_k")
@@ -316,7 +321,7 @@ def test_slim_stacked_with_a_format_applies_the_lora_as_that_format_does(method)
     if method == "fp8":
         want = quant.round_trip(with_lora, "fp8")
     else:
-        want = {k: quant.q4_0(v) + (with_lora[k] - v) for k, v in base.items()}
+        want = {k: quant.round_trip({k: v}, "q4_0")[k] + (with_lora[k] - v) for k, v in base.items()}
     got = layout.to_canonical(model_lora.state_dict())[0]
     changed = [k for k in base if not torch.equal(with_lora[k], base[k])]
     assert changed

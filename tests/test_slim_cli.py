@@ -155,3 +155,23 @@ def test_weight_dtype_fp8_stores_the_float32_fold_rounded_once(files, capsys, tm
     rc, _, err = run(capsys, "slim", "--ckpt", tmp_path / "slim8.safetensors", "--weight-dtype", "fp16",
                      "--out", tmp_path / "again.safetensors")
     assert rc == 2 and "already a slim checkpoint" in err and not (tmp_path / "again.safetensors").exists()
+
+
+def test_weight_dtype_fp8_of_an_fp16_checkpoint_is_rounded_once_from_the_float32_fold(tmp_path, capsys):
+    """The fold of fp16 weights is not rounded to fp16 on its way to fp8 (a double rounding)."""
+    from sdslim_core import layout, tiny
+    from sdslim_core.io.adapters import AdapterSet
+    from sdslim_core.io.tensors import LazyStateDict
+    from sdslim_core.ops import fold
+    half = tiny.ASSETS / "tiny_sd15_slim_half.safetensors"
+    lazy = LazyStateDict(tiny.DEFAULT_PATH)
+    weights = {k: v.float() for k, v in layout.to_canonical({k: lazy[k] for k in lazy})[0].items()
+               if k.split(".", 1)[0] in layout.UNET_TOP_MODULES}
+    assert {lazy[k].dtype for k in lazy} == {torch.float16}
+    folded = fold.fold_state_dict(weights, AdapterSet.load(half))
+    assert run(capsys, "slim", "--ckpt", tiny.DEFAULT_PATH, "--adapters", half, "--weight-dtype", "fp8_e4m3fn",
+               "--out", tmp_path / "s8.safetensors")[0] == 0
+    got = LazyStateDict(tmp_path / "s8.safetensors")
+    for k, v in folded.items():
+        if v.dim() >= 2:
+            assert torch.equal(got["model.diffusion_model." + k].float(), v.to(torch.float8_e4m3fn).float()), k

@@ -17,7 +17,7 @@ else
 fi
 echo "$torch_spec" > .venv/torch-constraint.txt
 .venv/bin/python -c "import torch" 2>/dev/null && [ "$mode" != test ] || "${pip[@]}" install -c .venv/torch-constraint.txt "$torch_spec"
-"${pip[@]}" install -c .venv/torch-constraint.txt -e .
+"${pip[@]}" install -c .venv/torch-constraint.txt -e ".[gguf]"   # the demo's GGUF Q4_0 row
 if [ "$mode" = test ]; then
   "${pip[@]}" install -c .venv/torch-constraint.txt -r requirements-dev.txt
   "${pip[@]}" install --no-deps stable-diffusion-sdkit==2.1.5   # real LDM/A1111 UNet blocks for tests

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import fidelity
-from .. import tiny
+from .. import optional, tiny
 from ..modules import swap
 from ..ops import breakdown, fold, lora, quant
 from ..ops.sampling import diffusers_fn
@@ -152,6 +152,10 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     n_teacher = sum(p.numel() for p in pipe.unet.parameters())
     alternatives = []
     for what in ALTERNATIVES:
+        why = optional.missing("gguf", f"the demo's GGUF {what.upper()} row") if what in quant.GGUF_METHODS else None
+        if why:
+            _log(f"{why}; skipping that row")
+            continue
         model, model_lora, w = cands.slim(aset, "fp8") if what == "slim+fp8" else cands.quantised(what)
         r = fidelity.compare(probe, ref, model, model_lora)
         alternatives.append({"row": what, "weight_bytes": quant.storage_bytes(w, "fp8" if what == "slim+fp8" else what),

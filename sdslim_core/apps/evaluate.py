@@ -11,7 +11,8 @@ seed) and conditioning:
 - with LoRAs: ``lora_effect_cosine`` = cos(ε_slim+LoRA − ε_slim, ε_teacher+LoRA − ε_teacher): does the slim model
   move the way the teacher does when the LoRA is applied?
 - ``ladder``: the bench's fidelity ladder for this checkpoint: the slim model and the ``compare`` alternatives (fp8
-  storage, GGUF Q8_0 / Q4_0 round trips, slim + fp8) with params ×, weight bytes, forward FLOPs ×, latent / image
+  storage; GGUF Q8_0 … Q4_0 as sdslim's GGUF writer stores them, through the gguf package's quantiser and
+  dequantiser; slim + any of them) with params ×, weight bytes, forward FLOPs ×, latent / image
   PSNR, SSIM, ε error (plain and CFG-guided), LoRA-effect cosine and ControlNet-effect cosine. The ControlNet
   effect uses synthetic ControlNet-like residuals (smooth random fields scaled to each skip feature's RMS; a real
   ControlNet needs its own file and control image), identical for every row.
@@ -227,7 +228,7 @@ def _png(rows: list[tuple[torch.Tensor, torch.Tensor]], path: Path) -> Path:
     return path
 
 
-COMPARE = ("fp8", "q8_0", "q4_0", "slim+fp8")
+COMPARE = quant.METHODS + tuple(f"slim+{m}" for m in quant.METHODS)   # fp8, q8_0 … q4_0, slim+each
 
 
 def _ladder_row(label, r: dict, weights: dict, method, flops: float, teacher_params: int) -> dict:
@@ -293,9 +294,9 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
     rows, slim_r = [], None
     todo = [("slim", None)] + [(c, c) for c in compare]
     for label, what in todo:
-        if what is None or what == "slim+fp8":
-            model, model_lora, w = cands.slim(aset, "fp8" if what else None)
-            storage = "fp8" if what else None
+        if what is None or what.startswith("slim+"):
+            storage = what.removeprefix("slim+") if what else None
+            model, model_lora, w = cands.slim(aset, storage)
         else:
             model, model_lora, w = cands.quantised(what)
             storage = what

@@ -208,7 +208,8 @@ class Candidates:
 
     - slim: the LoRA is merged into the full weights, then folded (:mod:`sdslim_core.ops.lora`, :mod:`fold`);
     - ``fp8`` storage: merged, then stored in fp8 (ComfyUI re-casts patched weights to the storage dtype);
-    - GGUF ``q8_0``/``q4_0``: the LoRA delta is added to the dequantised weights at run time (ComfyUI-GGUF);
+    - GGUF ``q8_0`` … ``q4_0``: the LoRA delta is added to the dequantised weights at run time (ComfyUI-GGUF);
+      :meth:`from_file` does the same for weights read back from a written ``.gguf``;
     - slim + a storage format: the slim weights (merged and folded for the LoRA) stored as that format stores
       them (for GGUF: the slim-space LoRA delta on the dequantised slim weights).
 
@@ -227,30 +228,54 @@ class Candidates:
         return {**self.weights, **self.lora_delta}
 
     @staticmethod
-    def _stored(base: dict, with_lora: dict | None, method: str | None) -> tuple[dict, dict | None]:
+    def _lora_added(stored: dict, base: dict, with_lora: dict) -> dict:
+        """``stored`` (``base`` as a format stores it) with the LoRA's full-precision delta ``with_lora − base``
+        added where it changes a weight: how GGUF loaders apply a LoRA (on the dequantised weights)."""
+        return {k: v + (with_lora[k] - base[k]) if with_lora[k] is not base[k] else v for k, v in stored.items()}
+
+    @classmethod
+    def _stored(cls, base: dict, with_lora: dict | None, method: str | None) -> tuple[dict, dict | None]:
         """``base`` and ``with_lora`` (the same keys, the LoRA merged) as ``method`` stores and runs them."""
         stored = quant.round_trip(base, method) if method else base
         if with_lora is None or method is None:
             return stored, with_lora
         if method == "fp8":
             return stored, quant.round_trip(with_lora, method)
-        return stored, {k: v + (with_lora[k] - base[k]) if with_lora[k] is not base[k] else v
-                        for k, v in stored.items()}
+        return stored, cls._lora_added(stored, base, with_lora)
 
     def quantised(self, method: str) -> tuple[nn.Module, nn.Module | None, dict]:
         """(model, model + LoRA or None, its canonical weights) for a weight-storage ``method``."""
         stored, lora = self._stored(self.weights, self._with_lora() if self.lora_delta else None, method)
         return self.unet(stored), self.unet(lora) if lora is not None else None, stored
 
+    def _folded(self, aset, weights: dict) -> dict:
+        return {**weights, **fold.fold_state_dict(weights, aset)}
+
+    @staticmethod
+    def _groups(aset) -> dict | None:
+        return {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"} if aset is not None else None
+
     def slim(self, aset, method: str | None = None) -> tuple[nn.Module, nn.Module | None, dict]:
         """(slim model, slim model + LoRA or None, its canonical weights), optionally stored with ``method``."""
-        groups = {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"}
-
-        def folded(weights):
-            return {**weights, **fold.fold_state_dict(weights, aset)}
-        stored, lora = self._stored(folded(self.weights), folded(self._with_lora()) if self.lora_delta else None,
-                                    method)
+        stored, lora = self._stored(self._folded(aset, self.weights),
+                                    self._folded(aset, self._with_lora()) if self.lora_delta else None, method)
+        groups = self._groups(aset)
         return self.unet(stored, groups), self.unet(lora, groups) if lora is not None else None, stored
+
+    def from_file(self, stored: dict, aset=None) -> tuple[nn.Module, nn.Module | None]:
+        """(model, model + LoRA or None) of canonical weights read back from a file (e.g. a ``.gguf`` through the
+        gguf package), of the teacher or (``aset``) of its slim form; the LoRA is added as GGUF loaders add it (its
+        delta, in slim space for a slim model, on the dequantised weights)."""
+        base = self._folded(aset, self.weights) if aset is not None else self.weights
+        if set(stored) != set(base):
+            raise ValueError(f"the file's UNet has other keys than the {'slim ' if aset else ''}teacher's: "
+                             f"{sorted(set(stored) ^ set(base))[:3]}")
+        lora = None
+        if self.lora_delta:
+            with_lora = self._folded(aset, self._with_lora()) if aset is not None else self._with_lora()
+            lora = self._lora_added(stored, base, with_lora)
+        groups = self._groups(aset)
+        return self.unet(stored, groups), self.unet(lora, groups) if lora is not None else None
 
 
 def forward_flops(fn, *args, **kwargs) -> int:

@@ -23,13 +23,14 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from .. import layout
+from ..io import gguf
 from ..io.adapters import AdapterSet
 from ..io.files import sha256_file
 from ..io.lora_files import MergeReport
 from ..io.slim_checkpoint import (ADAPTER_KEY, ADAPTER_PREFIX, SlimError, is_slim_checkpoint, read_slim, site_reader,
                                   slim_adapters, slim_metadata)
 from ..io.tensors import LazyStateDict, StreamReader, write_safetensors_streaming
-from ..modules.unet import open_checkpoint
+from ..modules.unet import canonical_shapes, open_checkpoint
 from ..ops import fold
 from ..ops.lora import LoraMerger, apply_deltas
 from ..ops.lora_slim import SlimSpace
@@ -61,6 +62,7 @@ class SlimResult:
     warnings: list
     adapter_bytes: int = 0                 # adapter tensors embedded in the output
     lora_forms: dict = dataclasses.field(default_factory=dict)   # slim-space application: form → module count
+    gguf_type: str | None = None           # a GGUF output: the type of its large UNet tensors
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -82,15 +84,46 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_output_path(out: Path, *inputs, what: str = "the slim checkpoint"):
-    """SlimError unless ``out`` is a new ``.safetensors`` file name, distinct from every input path."""
+def check_output_path(out: Path, *inputs, what: str = "the slim checkpoint", suffix: str = ".safetensors"):
+    """SlimError unless ``out`` is a new file name ending in ``suffix``, distinct from every input path."""
     for src in inputs:
         if not isinstance(src, Mapping) and _same_file(Path(src), out):
             raise SlimError(f"--out {out} is the input {src}; write {what} to a new file")
     if out.exists() and out.is_dir():
-        raise SlimError(f"--out {out} is a folder; give a .safetensors file name")
-    if out.suffix.lower() != ".safetensors":
-        raise SlimError(f"--out {out}: {what} is written as .safetensors; use that suffix")
+        raise SlimError(f"--out {out} is a folder; give a {suffix} file name")
+    if out.suffix.lower() != suffix:
+        raise SlimError(f"--out {out}: {what} is written as {suffix}; use that suffix")
+
+
+def _check_gguf(ckpt, quant: str | None, weight_dtype) -> None:
+    if Path(str(ckpt)).suffix.lower() == ".gguf":
+        raise SlimError(f"{ckpt}: a .gguf input is already quantised; slim the .safetensors it was made from and write "
+                        "GGUF with --format gguf --quant TYPE (one quantisation, from the float32 fold)")
+    if quant is None:
+        return
+    try:
+        gguf.check_type(quant)
+    except gguf.GGUFError as err:
+        raise SlimError(str(err)) from None
+    if weight_dtype is not None:
+        raise SlimError("--weight-dtype and --format gguf: a GGUF file stores the UNet in its own type (--quant); "
+                        "choose one")
+    gguf.package()                       # a missing gguf package is said before anything is read
+
+
+def _write(out: Path, entries: list, produce: Callable, meta: dict, quant: str | None, family: str,
+           canonical: Mapping[str, str], exact: set) -> None:
+    """``entries`` (file key, dtype, shape) to ``out``: a ``.safetensors`` file as they are, or (``quant``) a GGUF
+    file of the UNet (``canonical``: file key → canonical key, the GGUF names) and the ``exact`` keys (embedded
+    adapters), with the ``sdslim.*`` metadata; the keys outside the UNet (text encoder, VAE) are not written to a
+    GGUF file, which holds a UNet only, as ComfyUI-GGUF's files do."""
+    if quant is None:
+        write_safetensors_streaming(out, entries, produce, meta)
+        return
+    kept = [(canonical.get(k, k), d, s) for k, d, s in entries if k in canonical or k in exact]
+    file_key = {canonical.get(k, k): k for k, _, _ in entries if k in canonical or k in exact}
+    gguf.write_unet(out, kept, exact, lambda name: produce(file_key[name]), quant, family,
+                    {k: v for k, v in meta.items() if str(k).startswith("sdslim.")})
 
 
 def _lora_meta(loras, applied: str) -> list:
@@ -100,7 +133,8 @@ def _lora_meta(loras, applied: str) -> list:
 
 def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1.0, device: str = "cpu",
                     progress: Callable[[int, int, str], None] | None = None,
-                    embed_adapters: bool = True, weight_dtype: torch.dtype | None = None) -> SlimResult:
+                    embed_adapters: bool = True, weight_dtype: torch.dtype | None = None,
+                    quant: str | None = None) -> SlimResult:
     """Merge ``loras`` [(path, strength)] into ``ckpt``'s UNet, fold ``adapters`` and write ``out``.
 
     ``ckpt``: an LDM/ComfyUI/diffusers single file or a diffusers folder; ``adapters``: a path or
@@ -109,10 +143,14 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     be applied to it later without the adapter file); otherwise only the adapter file's sha256 is recorded.
     ``weight_dtype`` (e.g. ``torch.float8_e4m3fn``): store every UNet weight with two or more dimensions in it, each
     rounded once from the float32 fold (biases, norms, the text encoder and VAE keep their dtypes); default: keep the
-    input's dtypes. An already-slim ``ckpt`` is passed to :func:`apply_loras_to_slim` (``adapters`` may then be None).
-    Everything is validated before the first byte is written; the output appears atomically and never replaces the
-    input.
+    input's dtypes. ``quant`` (a :data:`~sdslim_core.io.gguf.WRITE_TYPES` name, e.g. ``"Q4_0"``): write ``out``
+    as a ``.gguf`` UNet instead (:mod:`~sdslim_core.io.gguf`: the UNet only, each tensor quantised once from the
+    float32 fold by the gguf package; adapters embedded as they are); with ``quant`` and no ``adapters``, the
+    full-size UNet (LoRAs merged) is written, unslimmed. An already-slim ``ckpt`` is passed to
+    :func:`apply_loras_to_slim` (``adapters`` may then be None). Everything is validated before the first byte is
+    written; the output appears atomically and never replaces the input.
     """
+    _check_gguf(ckpt, quant, weight_dtype)
     if is_slim_checkpoint(ckpt):
         if weight_dtype is not None:
             raise SlimError(f"{ckpt}: already a slim checkpoint; a storage dtype is chosen when folding (LoRAs "
@@ -120,18 +158,20 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         if select != 1.0:
             raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1); --select applies to folding, "
                             "which needs the original checkpoint")
-        return apply_loras_to_slim(ckpt, out, loras, adapters=adapters, device=device)
-    if adapters is None:
+        return apply_loras_to_slim(ckpt, out, loras, adapters=adapters, device=device, quant=quant)
+    if adapters is None and quant is None:
         raise SlimError(f"{ckpt}: not a slim checkpoint, so folding it needs --adapters")
     t0 = time.perf_counter()
     out = Path(out)
     src = open_checkpoint(ckpt)
-    check_output_path(out, src.path, ckpt)
+    check_output_path(out, src.path, ckpt, what="the GGUF UNet" if quant else "the slim checkpoint",
+                      suffix=".gguf" if quant else ".safetensors")
     clash = [k for k in src.source if k.startswith(layout.SDSLIM_TENSORS)]
     if clash:
         raise SlimError(f"{src.path}: already holds sdslim tensors ({clash[0]}, …) but is not marked slim")
-    aset, site_tensors = _streamed_adapters(adapters, select)
     cfg = src.config
+    aset, site_tensors = _streamed_adapters(adapters, select) if adapters is not None else \
+        (AdapterSet(cfg.family, {}), None)
     reader = StreamReader(src.path)
     mapping = src.weights.file_keys                 # canonical → file key
     canon_shapes = {k: tuple(v) for k, v in src.weights.shapes().items()}
@@ -154,7 +194,8 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         ckey = inverse.get(fkey)
         if ckey is not None:
             recast = weight_dtype is not None and dtype.is_floating_point and len(shape) >= 2
-            dtype = stored[fkey] = weight_dtype if recast else dtype
+            dtype = stored[fkey] = weight_dtype if recast else torch.float32 if quant and dtype.is_floating_point \
+                else dtype
         entries.append((fkey, dtype, tuple(slim[ckey]) if ckey is not None else tuple(shape)))
         site = owner.get(ckey)
         if site is not None:
@@ -165,14 +206,18 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
                     entries.append((f"{ADAPTER_PREFIX}{site}.{name}", v.dtype, tuple(v.shape)))
     adapter_bytes = sum(math.prod(shape) * dtype.itemsize for key, dtype, shape in entries if key in embedded)
 
-    origin = {"file": Path(aset.source).name if aset.source != "<memory>" else "<memory>",
-              "sites": len(aset.sites), "select": select}
-    if aset.source != "<memory>" and Path(aset.source).is_file():
-        origin["sha256"] = sha256_file(aset.source)
     meta = dict(src.metadata)
-    meta.update(slim_metadata(cfg, aset, origin, _lora_meta(loras, "before folding")))
-    if embed_adapters:
-        meta[ADAPTER_KEY] = ADAPTER_PREFIX
+    if adapters is None:                              # a full-size GGUF: no fold, so not marked slim
+        meta.update({"sdslim.family": cfg.family, layout.UNET_CONFIG_KEY: cfg.to_dict(),
+                     "sdslim.loras": _lora_meta(loras, "merged")})
+    else:
+        origin = {"file": Path(aset.source).name if aset.source != "<memory>" else "<memory>",
+                  "sites": len(aset.sites), "select": select}
+        if aset.source != "<memory>" and Path(aset.source).is_file():
+            origin["sha256"] = sha256_file(aset.source)
+        meta.update(slim_metadata(cfg, aset, origin, _lora_meta(loras, "before folding")))
+        if embed_adapters:
+            meta[ADAPTER_KEY] = ADAPTER_PREFIX
 
     pending: dict[str, torch.Tensor] = {}
     site_cache: dict[str, dict] = {}                  # the site being folded: its adapter tensors (read once)
@@ -183,11 +228,14 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     def base(ckey: str) -> torch.Tensor:
         return reader[mapping[ckey]]
 
+    wide = quant is not None or weight_dtype is not None   # stored in another dtype: fold in float32, round once
+
     def merged_or_base(ckey: str):
         if ckey not in canon_shapes:
             return None
         t = base(ckey)
-        return (merger.merge(ckey, t) if ckey in touched else t).to(dev)
+        t = merger.merge(ckey, t) if ckey in touched else t
+        return t.to(dev, torch.float32) if wide and t.dtype != torch.float64 else t.to(dev)
 
     def adapter_tensors(site: str) -> dict:
         if site not in site_cache:
@@ -218,11 +266,11 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         t = base(ckey)
         return (merger.merge(ckey, t, out_dtype=stored[fkey]) if ckey in touched else t).to(stored[fkey])
 
-    write_safetensors_streaming(out, entries, produce, meta)
+    _write(out, entries, produce, meta, quant, cfg.family, inverse, set(embedded))
     before = sum(math.prod(s) for s in canon_shapes.values())
     after = sum(math.prod(slim[k]) for k in canon_shapes)
     return SlimResult(out, cfg.family, len(aset.sites), before, after, out.stat().st_size,
-                      time.perf_counter() - t0, merger.report, warnings, adapter_bytes)
+                      time.perf_counter() - t0, merger.report, warnings, adapter_bytes, gguf_type=quant)
 
 
 # ------------------------------------------------------------------------------ LoRAs on a slim checkpoint
@@ -247,7 +295,8 @@ def open_slim(path, adapters=None) -> SlimView:
     return SlimView(lazy, mapping, shapes, cfg, meta, SlimSpace.for_slim(aset, shapes, site_tensors))
 
 
-def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str = "cpu") -> SlimResult:
+def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str = "cpu",
+                        quant: str | None = None) -> SlimResult:
     """Apply ``loras`` [(path, strength)] to an already-slim checkpoint, in slim space, and write ``out``.
 
     Each LoRA is parsed against the original model (``sdslim.unet_config`` and the adapter widths give its
@@ -256,28 +305,37 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
     output dtype), without the original checkpoint or a re-fold. Forms that need the full-size weight (DoRA on a
     folded layer) are refused before anything is written; norm2 deltas are dropped with a warning. Every other
     tensor (embedded adapters included) is copied through; ``sdslim.loras`` gets the new LoRAs appended.
+    ``quant``: write ``out`` as a GGUF UNet of that type instead (the slim UNet and its embedded adapters, the sums
+    quantised from float32); then ``loras`` may be empty (a conversion: no adapters are needed).
     """
     t0 = time.perf_counter()
     out = Path(out)
-    check_output_path(out, ckpt)
-    if not loras:
+    _check_gguf(ckpt, quant, None)
+    check_output_path(out, ckpt, what="the GGUF UNet" if quant else "the slim checkpoint",
+                      suffix=".gguf" if quant else ".safetensors")
+    if not loras and quant is None:
         raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1) and no --lora to apply; folding again "
                         "needs the original checkpoint")
-    view = open_slim(ckpt, adapters)
-    lazy, space, cfg = view.file, view.space, view.config
-    merger = LoraMerger([(p, s) for p, s in loras], cfg, space.full_shapes, fold_sites=space.adapters)
-    forms: dict[str, int] = {}
-    for mods, _ in merger.parsed:                     # refusals (DoRA on a folded layer) before any byte is written
-        for mod in mods:
-            form = space.form(mod)
-            forms[form] = forms.get(form, 0) + 1
     plan: dict[str, list] = {}                       # slim key → [(module, strength, its part, the slim part)]
-    for entries in merger.plan.values():
-        for mod, strength, part in entries:
-            for dest in space.changes(mod, part):      # a net.2 delta under an FF intercept also moves the bias
-                plan.setdefault(f"{mod.target}.{dest}", []).append((mod, strength, part, dest))
+    forms: dict[str, int] = {}
+    if loras:
+        view = open_slim(ckpt, adapters)
+        lazy, space, cfg, file_keys, metadata = view.file, view.space, view.config, view.file_keys, view.metadata
+        merger = LoraMerger([(p, s) for p, s in loras], cfg, space.full_shapes, fold_sites=space.adapters)
+        report, full_shapes, n_sites = merger.report, space.full_shapes, len(space.adapters.sites)
+        for mods, _ in merger.parsed:                 # refusals (DoRA on a folded layer) before any byte is written
+            for mod in mods:
+                form = space.form(mod)
+                forms[form] = forms.get(form, 0) + 1
+        for entries in merger.plan.values():
+            for mod, strength, part in entries:
+                for dest in space.changes(mod, part):  # a net.2 delta under an FF intercept also moves the bias
+                    plan.setdefault(f"{mod.target}.{dest}", []).append((mod, strength, part, dest))
+    else:
+        lazy, file_keys, _, _, cfg, metadata = read_slim(ckpt)
+        report, full_shapes, n_sites = MergeReport(), canonical_shapes(cfg), len(metadata.get("sdslim.ranks") or {})
     reader = StreamReader(ckpt)
-    inverse = {f: k for k, f in view.file_keys.items()}
+    inverse = {f: k for k, f in file_keys.items()}
     dev = torch.device(device)
 
     def produce(fkey: str) -> torch.Tensor:
@@ -290,19 +348,18 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
             new = space.convert_part(mod, part).get(dest)
             if new is not None:
                 entries.append((new, strength, dest))
-        return apply_deltas(t.to(dev), entries, out_dtype=t.dtype).cpu()
+        return apply_deltas(t.to(dev), entries, out_dtype=torch.float32 if quant else t.dtype).cpu()
 
     new_meta = dict(lazy.metadata)
-    new_meta["sdslim.loras"] = json.dumps(list(view.metadata.get("sdslim.loras") or []) +
-                                          _lora_meta(loras, "in slim space"))
+    if loras:
+        new_meta["sdslim.loras"] = json.dumps(list(metadata.get("sdslim.loras") or []) +
+                                              _lora_meta(loras, "in slim space"))
+    embedded = metadata.get(ADAPTER_KEY)
+    exact = {k for k in lazy.entries if embedded and k.startswith(embedded)}
     entries = [(k, dtype, tuple(shape)) for k, (dtype, shape) in lazy.entries.items()]
-    write_safetensors_streaming(out, entries, produce, new_meta)
-    before = sum(math.prod(s) for s in space.full_shapes.values())
-    after = sum(math.prod(s) for s in view.shapes.values())
-    embedded = view.metadata.get(ADAPTER_KEY)
-    adapter_bytes = sum(math.prod(s) * d.itemsize for k, (d, s) in lazy.entries.items()
-                        if embedded and k.startswith(embedded))
-    return SlimResult(out, cfg.family, len(space.adapters.sites), before, after, out.stat().st_size,
-                      time.perf_counter() - t0, merger.report, list(merger.report.warnings), adapter_bytes, forms)
-
-
+    _write(out, entries, produce, new_meta, quant, cfg.family, inverse, exact)
+    before = sum(math.prod(s) for s in full_shapes.values())
+    after = sum(math.prod(lazy.entries[f][1]) for f in file_keys.values())
+    adapter_bytes = sum(math.prod(s) * d.itemsize for k, (d, s) in lazy.entries.items() if k in exact)
+    return SlimResult(out, cfg.family, n_sites, before, after, out.stat().st_size, time.perf_counter() - t0, report,
+                      list(report.warnings), adapter_bytes, forms, gguf_type=quant)

@@ -54,7 +54,8 @@ def register(sub):
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--compare", default="fp8,q8_0,q4_0,slim+fp8",
                    help="alternatives in the fidelity ladder next to the slim model: any of fp8 (float8_e4m3fn "
-                        "storage), q8_0 / q4_0 (GGUF block round trips), slim+fp8; 'none' for the slim row only "
-                        "(default: all)")
+                        "storage), q8_0 / q5_1 / q5_0 / q4_1 / q4_0 (GGUF, as `sdslim slim --format gguf` writes it; "
+                        "needs the gguf package), slim+ any of those; 'none' for the slim row only (default: "
+                        "fp8,q8_0,q4_0,slim+fp8)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=run)

@@ -46,13 +46,14 @@ def is_slim_checkpoint(ckpt) -> bool:
     return path.is_file() and path.suffix.lower() == ".safetensors" and read_header(path)[1].get(SLIM_KEY) == "1"
 
 
-def site_reader(path, aset: AdapterSet, prefix: str = "") -> Callable[[str], dict]:
+def site_reader(path, aset: AdapterSet, prefix: str = "", opener: Callable | None = None) -> Callable[[str], dict]:
     """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf.
 
-    The file is opened for each read and never held open (a reader may live as long as a host's model does), and
-    a file whose size or modification time changed since the reader was made is refused: its tensors may no longer
-    be the ones that were folded."""
+    The file is opened (``opener(path)``: its tensors by name; default a ``.safetensors`` reader) for each read and
+    never held open (a reader may live as long as a host's model does), and a file whose size or modification time
+    changed since the reader was made is refused: its tensors may no longer be the ones that were folded."""
     path = Path(path)
+    opener = opener or LazyStateDict
     stamp = _stamp(path)
     checked: set[str] = set()
 
@@ -60,7 +61,7 @@ def site_reader(path, aset: AdapterSet, prefix: str = "") -> Callable[[str], dic
         if _stamp(path) != stamp:
             raise SlimError(f"{path}: gone or changed (size or modification time) since it was opened, so its "
                             "adapter tensors may not be the ones that were folded; load it again")
-        lazy = LazyStateDict(path)
+        lazy = opener(path)
         tensors = {n: lazy[f"{prefix}{site}.{n}"] for n in aset.sites[site]}
         if site not in checked:
             aset.check_values(site, tensors)
@@ -84,6 +85,14 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
     have the sha256 the checkpoint records. Given both, the hash is still checked.
     """
     lazy, _, _, _, cfg, meta = read_slim(path)
+    return adapters_of(path, cfg, meta, lazy.entries, adapters)
+
+
+def adapters_of(path, cfg: layout.UNetConfig, meta: dict, entries: dict, adapters=None,
+                opener: Callable | None = None) -> tuple[AdapterSet, Callable[[str], dict]]:
+    """:func:`slim_adapters` for a slim file of any format: ``meta`` its decoded ``sdslim.*`` metadata, ``entries``
+    its tensor name → (dtype, shape), ``opener(path)`` its tensors by name (default: a ``.safetensors`` reader; the
+    embedded adapters are read with it, an adapter file is always a ``.safetensors``)."""
     origin = meta.get("sdslim.adapters") or {}
     ranks = meta.get("sdslim.ranks") or {}
     if adapters is not None:
@@ -98,10 +107,10 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
     prefix = meta.get(ADAPTER_KEY)
     if prefix:
         tensors = {k[len(prefix):]: torch.empty(shape, dtype=dtype, device="meta")
-                   for k, (dtype, shape) in lazy.entries.items() if k.startswith(prefix)}
+                   for k, (dtype, shape) in entries.items() if k.startswith(prefix)}
         aset = AdapterSet.from_state_dict(meta["sdslim.family"], tensors, meta.get("sdslim.norm_groups"),
                                           source=f"{path} (embedded adapters)")
-        read_from = path
+        read = site_reader(path, aset, prefix, opener)
     elif adapters is not None:
         full = AdapterSet.load(adapters, lazy=True)
         missing = sorted(set(ranks) - set(full.sites))
@@ -109,7 +118,7 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
             raise SlimError(f"{adapters}: lacks sites {missing[:3]} that {path} folded")
         aset = AdapterSet(full.family, {s: full.sites[s] for s in ranks},
                           {s: g for s, g in full.norm_groups.items() if s in ranks}, full.metadata, full.source)
-        prefix, read_from = "", adapters
+        read = site_reader(adapters, aset)
     else:
         raise SlimError(f"{path}: a slim checkpoint without embedded adapters (made with --no-embed-adapters); pass "
                         f"--adapters with the adapter file it was folded with ({origin.get('file', '?')}"
@@ -118,7 +127,7 @@ def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict
         raise SlimError(f"{aset.source}: adapter ranks do not match the ranks {path} records (sdslim.ranks)")
     if aset.family != cfg.family:
         raise SlimError(f"{aset.source}: adapters for {aset.family}, the checkpoint is {cfg.family}")
-    return aset, site_reader(read_from, aset, prefix)
+    return aset, read
 
 
 def read_slim(path) -> tuple[LazyStateDict, dict, str, str, layout.UNetConfig, dict]:

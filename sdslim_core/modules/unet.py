@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import layout
+from ..io import gguf
 from ..io.slim_checkpoint import read_slim
 from ..io.tensors import FileFormatError, LazyStateDict
 from .layers import LayerError, resize_like, set_module
@@ -159,6 +160,14 @@ def load_slim_unet(path, dtype: torch.dtype | None = None, device="cpu"):
     lazy, mapping, _, _, cfg, meta = read_slim(path)
     weights = {k: lazy[f] for k, f in mapping.items()}
     dtype = dtype or next(iter(weights.values())).dtype
+    unet = load_diffusers_unet(weights, cfg, dtype=dtype, device=device, norm_groups=meta.get("sdslim.norm_groups"))
+    return unet.eval(), cfg, meta
+
+
+def load_gguf_unet(path, dtype: torch.dtype = torch.float32, device="cpu"):
+    """A diffusers ``UNet2DConditionModel`` holding a GGUF UNet (slim or full size) as the gguf package dequantises
+    it: (unet, full-size cfg, sdslim metadata)."""
+    weights, cfg, meta = gguf.read_unet(path)
     unet = load_diffusers_unet(weights, cfg, dtype=dtype, device=device, norm_groups=meta.get("sdslim.norm_groups"))
     return unet.eval(), cfg, meta
 

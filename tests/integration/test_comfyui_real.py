@@ -168,7 +168,7 @@ def _inputs(seed=3):
 def test_registration_v3_v1_and_folder(comfy, adapter_dir):
     classes = _v3_classes(comfy)
     ids = {c.define_schema().node_id for c in classes}
-    assert ids == {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimTrainAdapters", "SdslimVramReport",
+    assert ids == {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimLoadSlimGGUF", "SdslimTrainAdapters", "SdslimVramReport",
                    "SdslimVramMonitor", "SdslimUNetBreakdown", "SdslimTinyDemo"}
     slim_schema = _node(comfy, "SdslimSlimUNet").GET_SCHEMA() if hasattr(classes[0], "GET_SCHEMA") else None
     assert slim_schema is None or slim_schema.node_id == "SdslimSlimUNet"
@@ -416,7 +416,8 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
     AdapterSet(family="sd15", sites={}, source="x").save(tmp_path / "adapters" / "from_yaml.safetensors")
     with ComfyServer(tmp_path / "comfy", {"sdslim": tmp_path / "adapters"}) as server:
         info = server.get("/object_info")
-        ids = {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimTrainAdapters", "SdslimVramReport",
+        ids = {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimLoadSlimGGUF", "SdslimTrainAdapters",
+               "SdslimVramReport",
                "SdslimVramMonitor", "SdslimUNetBreakdown", "SdslimTinyDemo"}
         assert ids <= set(info), server.log()[-3000:]
         assert "from_yaml.safetensors" in info["SdslimSlimUNet"]["input"]["required"]["adapters"][1]["options"]

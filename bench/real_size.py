@@ -41,7 +41,7 @@ from sdslim_core.modules.unet import open_checkpoint  # noqa: E402
 from sdslim_core.text.conditioning import PromptEncoder  # noqa: E402
 from sdslim_core.tiny import data as tiny_data  # noqa: E402
 from sdslim_core.train import Calibration, TrainConfig  # noqa: E402
-from sdslim_core.train.plan import make_plan  # noqa: E402
+from sdslim_core.train.plan import Plan, _phases, _stage2_inputs, bank_size, make_plan  # noqa: E402
 from sdslim_core.train.run import execute, train_adapters  # noqa: E402
 from sdslim_core.train.session import Session  # noqa: E402
 from sdslim_core.train.teacher import teacher_weights  # noqa: E402
@@ -90,7 +90,14 @@ def real_shapes(family: str, cache: Path, out: Path) -> dict:
     total = plan.eta_s
     row["default_plan"]["shares"] = {p.name: p.seconds / total for p in plan.phases}
     print(plan.text(), file=sys.stderr)
-    del session
+    old = Session(weights, cfg, TrainConfig(allocation="e2e", alloc_inputs=32), calib, out / "v02.safetensors", None,
+                  False)                              # v0.2's default allocation, costed with the same warm-up
+    old.plan_tokens = session.plan_tokens
+    bank = bank_size(old)
+    v02 = Plan(_phases(old, plan.warmup, bank, _stage2_inputs(old, bank)), plan.work_bytes, plan.warmup)
+    row["v02_plan"] = {"eta_s": v02.eta_s, "phases": v02.to_dict()["phases"],
+                       "shares": {p.name: p.seconds / v02.eta_s for p in v02.phases}}
+    del session, old
     # (3) a short run of the real phases on four sites
     stamps = []
     tc = TrainConfig(**SHORT)
@@ -167,7 +174,9 @@ def main(argv=None):
     for row in results["families"]:
         plan = row["default_plan"]
         print(f"\n{row['family']} default recipe (plan): ETA {plan['eta_s'] / 3600:.2f} h, work folder "
-              f"{plan['work_bytes'] / 2 ** 30:.2f} GiB; rank curves {plan['shares'].get('rank curves', 0):.1%}")
+              f"{plan['work_bytes'] / 2 ** 30:.2f} GiB; rank curves {plan['shares'].get('rank curves', 0):.1%} "
+              f"(v0.2's e2e allocation: ETA {row['v02_plan']['eta_s'] / 3600:.2f} h, rank curves "
+              f"{row['v02_plan']['shares'].get('rank curves', 0):.1%})")
         for ph in plan["phases"]:
             print(f"  {ph['name']:<12} {ph['units']:>6} {ph['unit']:<6} fwd {ph['forwards']:>7} bwd "
                   f"{ph['backwards']:>6}  {ph['seconds'] / 60:8.1f} min")

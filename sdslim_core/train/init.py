@@ -123,7 +123,8 @@ def obs_keep(order: torch.Tensor, m: int, r: int, group: int = 1) -> torch.Tenso
 class FFStats:
     """Fit-split statistics of one FF site: value/gate pre-activations and the hidden activations h."""
 
-    def __init__(self, site_mod: nn.Module, data: SiteData, device, dtype, amp, max_tokens: int = 16384):
+    def __init__(self, site_mod: nn.Module, data: SiteData, device, dtype, amp, max_tokens: int = 16384,
+                 orders: dict | None = None):
         proj = site_mod.get_submodule(layout.FF_LAYERS["proj"])
         self.ladev, self.ladt = linalg_place(device)
         self.w_o = site_mod.get_submodule(layout.FF_LAYERS["out"]).weight.detach().to(self.ladev, self.ladt)
@@ -146,7 +147,7 @@ class FFStats:
             self.mean += h.sum(0)
         self.cov /= self.n
         self.mean /= self.n
-        self._orders = {}
+        self._orders = {} if orders is None else orders       # OBS removal orders, shared across phases
 
     def _vg(self, i: int, chunk: int = 4096):
         return (self.v[i:i + chunk].to(self.ladev, self.ladt), self.g[i:i + chunk].to(self.ladev, self.ladt))
@@ -203,7 +204,8 @@ class FFStats:
 class ResStats:
     """Fit-split statistics of one Res site: pre-norm2 activations h1 and conv2 inputs a (per pixel)."""
 
-    def __init__(self, site_mod: nn.Module, naming: str, data: SiteData, device, dtype, amp):
+    def __init__(self, site_mod: nn.Module, naming: str, data: SiteData, device, dtype, amp,
+                 orders: dict | None = None):
         names = layout.RES_LAYERS[naming]
         self.site_mod, self.data = site_mod, data
         self.device, self.dtype, self.amp = device, dtype, amp
@@ -231,7 +233,7 @@ class ResStats:
         self.cov_a /= n
         self.mean_h /= n
         self.cov_h = self.cov_h / n - torch.outer(self.mean_h, self.mean_h)
-        self._orders = {}
+        self._orders = {} if orders is None else orders       # OBS removal orders, shared across phases
 
     def _passes(self):
         """(h1, a) per fit batch as [pixels, c] (linear-algebra device/dtype), captured with hooks on norm2 and
@@ -334,20 +336,23 @@ class SiteInit:
     """Candidate initialisations of one site at any rank, scored on the eval split."""
 
     def __init__(self, site: layout.Site, site_mod: nn.Module, naming: str, data: SiteData, weights: Mapping,
-                 family: str, device, dtype, amp, seed: int = 0):
+                 family: str, device, dtype, amp, seed: int = 0, orders: dict | None = None):
         self.site, self.site_mod, self.naming, self.data = site, site_mod, naming, data
         self.weights, self.family = weights, family
         self.device, self.dtype, self.amp, self.seed = device, dtype, amp, seed
         self._stats = None
+        self._orders = orders          # the site's OBS orders from an earlier phase of the run (the same data)
         self.norm_eps = site_mod.get_submodule(layout.RES_LAYERS[naming]["norm2"]).eps if site.kind == "res" else 1e-5
 
     @property
     def stats(self):
         if self._stats is None:
             if self.site.kind == "ff":
-                self._stats = FFStats(self.site_mod, self.data, self.device, self.dtype, self.amp)
+                self._stats = FFStats(self.site_mod, self.data, self.device, self.dtype, self.amp,
+                                      orders=self._orders)
             else:
-                self._stats = ResStats(self.site_mod, self.naming, self.data, self.device, self.dtype, self.amp)
+                self._stats = ResStats(self.site_mod, self.naming, self.data, self.device, self.dtype, self.amp,
+                                       orders=self._orders)
         return self._stats
 
     def tensors(self, method: str, r: int) -> dict:
@@ -394,7 +399,8 @@ def site_init(session: "Session", store: "ActivationStore", site: str) -> SiteIn
     teacher_site = session.placement.site_on_device(site)
     return SiteInit(session.site_by_name[site], teacher_site, session.naming,
                     session.site_data(store, site, teacher_site), session.weights, session.cfg.family,
-                    session.device, session.compute_dtype, session.amp, seed=session.tc.seed)
+                    session.device, session.compute_dtype, session.amp, seed=session.tc.seed,
+                    orders=session.obs_orders.setdefault(site, {}))
 
 
 def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tuple[adapters.AdapterSet, list, dict]:

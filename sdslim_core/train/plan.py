@@ -270,9 +270,10 @@ def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shape
 
 
 def _site_init(session: "Session", site, shapes: dict, g) -> dict:
-    """Seconds of the site-local work each phase repeats per site, measured on the median-width site of a kind with
-    random data of the run's size: reading its data (``data_s``: the teacher site's outputs), the initialisation
-    (``init_s``: every method at the uniform rank) and a rank curve's local scoring (``curve_s``)."""
+    """Seconds of the site-local work the phases repeat per site, measured on the median-width site of a kind with
+    random data of the run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the
+    activation covariances), the OBS removal order (``order_s``: once per run), a rank curve's local scoring
+    (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank)."""
     from .init import SiteInit
     from .ranks import rank_grid
     from .sites import SiteData
@@ -300,12 +301,19 @@ def _site_init(session: "Session", site, shapes: dict, g) -> dict:
                   session.device, session.compute_dtype, session.amp, seed=tc.seed)
     rank = rank_policy.rank_for_ratio(site.width, tc.ratio or 0.5, site.kind)
     t0 = time.perf_counter()
-    si.best(rank, tc.init_methods)
-    t_init = time.perf_counter() - t0
+    si.stats
+    t_stats = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    si.tensors("obs", rank)                              # the OBS removal order (kept for the rest of the run)
+    t_order = time.perf_counter() - t0
     fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
     t0 = time.perf_counter()
     si.curve(rank_grid(site, fractions), tc.init_methods[0])
-    return {"site": site.name, "data_s": t_data, "init_s": t_init, "curve_s": time.perf_counter() - t0}
+    t_curve = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    si.best(rank, tc.init_methods)
+    return {"site": site.name, "data_s": t_data + t_stats, "order_s": t_order, "curve_s": t_curve,
+            "init_s": time.perf_counter() - t0}
 
 
 def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
@@ -381,13 +389,14 @@ def _phases(session: "Session", w: dict, bank: Inputs, b2: int) -> list[Phase]:
     cap = _capture_inputs(tc, bank.n)
     phases.append(Phase("capture", cap, "input", cap, 0, math.ceil(cap / BATCH) * w["forward_batch8_s"]))
     sites, measured = _curve_measurements(session)
-    if sites:
+    if sites:                                    # the OBS orders are computed here and reused by the init
         probe = min(tc.alloc_inputs, bank.n_eval)
         every = [s.name for s in session.site_list]
         phases.append(Phase("rank curves", sites, "site", sites * measured * probe, 0,
                             sites * measured * math.ceil(probe / BATCH) * w["forward_batch8_s"]
-                            + per_site("data_s", every) + per_site("curve_s", every)))
-    phases.append(Phase("init", n_sites, "site", 0, 0, per_site("data_s") + per_site("init_s")))
+                            + per_site("data_s", every) + per_site("order_s", every) + per_site("curve_s", every)))
+    phases.append(Phase("init", n_sites, "site", 0, 0, per_site("data_s") + per_site("init_s")
+                        + (0 if sites else per_site("order_s"))))
     evals_s1 = _evaluations(tc.stage1_steps)
     stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items()) + per_site("data_s")
     held = math.ceil(bank.n_eval / BATCH) * w["forward_batch8_s"]

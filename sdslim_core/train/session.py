@@ -105,6 +105,7 @@ class Session:
                                  self.topo.main)
         self.timing: dict = {}
         self.plan_tokens: dict | None = None          # site → H·W of its input, from the plan's warm-up
+        self.obs_orders: dict = {}                    # site → its OBS removal orders (rank curves → init)
         self.optimizer_name = optimizer_kind(self.device, tc.optimizer, self.say)
 
     def say(self, text: str):

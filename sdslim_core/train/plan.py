@@ -5,9 +5,9 @@ Counts follow the settings exactly where the phases are fixed by them (trajector
 held-out evaluations, optimizer steps) and approximately where random subsets overlap (the capture's inputs).
 The warm-up runs, on random inputs of the run's shapes: one teacher forward at batch 8 (with hooks recording
 each site's input shape), one stage-2 step (the UNet with train-time adapters at uniform ``ratio``: forward,
-backward, AdamW), one stage-1 step for each distinct site shape, and for the median-width site of each kind the
-site-local work every phase repeats per site (reading its data, the initialisation methods, a rank curve's
-scoring). A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The
+backward, AdamW), one stage-1 step for each distinct site shape, and for the narrowest and the (lower) median
+site of each kind the site-local work the phases repeat per site (reading its data, the OBS order, the
+initialisation methods, a rank curve's scoring), extrapolated to wider sites by the power law through the two. A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The
 counts assume every site is slimmed; an allocation that leaves sites at full width trains fewer.
 """
 from __future__ import annotations
@@ -156,6 +156,24 @@ def work_folder_bytes(session: "Session", bank: Inputs) -> int:
     return int(out)
 
 
+# how a site-local cost grows with the site's width when two widths were not measured: the OBS order and
+# the covariances' eigendecompositions are cubic, reading the data and the least-squares fits about quadratic
+DEFAULT_EXPONENT = {"order_s": 3.0, "data_s": 2.0, "curve_s": 2.0, "init_s": 2.5}
+
+
+def site_local_cost(local: dict, site, what: str) -> float:
+    """Seconds of site-local work ``what`` at ``site``, from the warm-up's measured sites of its kind (two widths:
+    the power law through them, exponent clamped to [1, 3.5]; one: :data:`DEFAULT_EXPONENT`)."""
+    measured = local[site.kind]
+    ref = measured[-1]
+    if len(measured) == 2 and measured[0][what] > 0 and ref[what] > 0 and ref["width"] != measured[0]["width"]:
+        p = math.log(ref[what] / measured[0][what]) / math.log(ref["width"] / measured[0]["width"])
+        p = min(3.5, max(1.0, p))
+    else:
+        p = DEFAULT_EXPONENT[what]
+    return ref[what] * (site.width / ref["width"]) ** p
+
+
 def _evaluations(steps: int) -> int:
     """Held-out evaluations of a fit of ``steps`` steps (before the first step, then every interval and at the end)."""
     return 1 + math.ceil(steps / eval_interval(steps)) if steps else 0
@@ -231,7 +249,8 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
         of_kind = sorted((s for s in session.site_list if s.kind == kind and s.name in aset.sites),
                          key=lambda s: s.width)
         if of_kind:
-            site_local[kind] = _site_init(session, of_kind[len(of_kind) // 2], shapes, g)
+            low, mid = of_kind[0], of_kind[(len(of_kind) - 1) // 2]
+            site_local[kind] = [_site_init(session, site, shapes, g) for site in {low.name: low, mid.name: mid}.values()]
     session.placement.release()
     session.free_device_memory()
     return {"forward_batch8_s": t_fwd, "stage2_step_s": t_step2, "stage1_step_s": t_step1, "site": site_local,
@@ -270,8 +289,8 @@ def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shape
 
 
 def _site_init(session: "Session", site, shapes: dict, g) -> dict:
-    """Seconds of the site-local work the phases repeat per site, measured on the median-width site of a kind with
-    random data of the run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the
+    """Seconds of the site-local work the phases repeat per site, measured on one site with random data of the
+    run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the
     activation covariances), the OBS removal order (``order_s``: once per run), a rank curve's local scoring
     (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank)."""
     from .init import SiteInit
@@ -312,8 +331,8 @@ def _site_init(session: "Session", site, shapes: dict, g) -> dict:
     t_curve = time.perf_counter() - t0
     t0 = time.perf_counter()
     si.best(rank, tc.init_methods)
-    return {"site": site.name, "data_s": t_data + t_stats, "order_s": t_order, "curve_s": t_curve,
-            "init_s": time.perf_counter() - t0}
+    return {"site": site.name, "width": site.width, "data_s": t_data + t_stats, "order_s": t_order,
+            "curve_s": t_curve, "init_s": time.perf_counter() - t0}
 
 
 def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
@@ -380,7 +399,8 @@ def _phases(session: "Session", w: dict, bank: Inputs, b2: int) -> list[Phase]:
     local = w["site"]
 
     def per_site(what, names=step1):
-        return sum(local[session.site_by_name[s].kind][what] for s in names if session.site_by_name[s].kind in local)
+        return sum(site_local_cost(local, session.site_by_name[s], what) for s in names
+                   if session.site_by_name[s].kind in local)
     phases = []
     call_s = per_input * bank.call_batch if session.device.type == "cpu" else w["forward_batch8_s"]
     phases.append(Phase("calibration", tc.n_trajectories if session.calib.latents is None else bank.n,

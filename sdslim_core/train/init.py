@@ -148,6 +148,7 @@ class FFStats:
         self.cov /= self.n
         self.mean /= self.n
         self._orders = {} if orders is None else orders       # OBS removal orders, shared across phases
+        self.order_seconds = 0.0                              # time spent computing them here
 
     def _vg(self, i: int, chunk: int = 4096):
         return (self.v[i:i + chunk].to(self.ladev, self.ladt), self.g[i:i + chunk].to(self.ladev, self.ladt))
@@ -170,7 +171,9 @@ class FFStats:
         cov = self.cov - torch.outer(self.mean, self.mean) if intercept else self.cov
         if greedy:
             if intercept not in self._orders:
+                t0 = time.perf_counter()
                 self._orders[intercept] = obs_order(cov, self.w_o.T @ self.w_o)
+                self.order_seconds += time.perf_counter() - t0
             idx = obs_keep(self._orders[intercept], self.m, r).to(cov.device)
         else:
             idx = _top(self.w_o.norm(dim=0) * self.cov.diagonal().clamp_min(0).sqrt(), r)
@@ -234,6 +237,7 @@ class ResStats:
         self.mean_h /= n
         self.cov_h = self.cov_h / n - torch.outer(self.mean_h, self.mean_h)
         self._orders = {} if orders is None else orders       # OBS removal orders, shared across phases
+        self.order_seconds = 0.0                              # time spent computing them here
 
     def _passes(self):
         """(h1, a) per fit batch as [pixels, c] (linear-algebra device/dtype), captured with hooks on norm2 and
@@ -279,7 +283,9 @@ class ResStats:
         k = k if r % k == 0 else 1
         if greedy:
             if k not in self._orders:
+                t0 = time.perf_counter()
                 self._orders[k] = obs_order(self.cov_a, self.w2_cols @ self.w2_cols.T, k)
+                self.order_seconds += time.perf_counter() - t0
             idx = obs_keep(self._orders[k], self.c, r, k).to(self.cov_a.device)
         else:
             score = (self.w2_cols.norm(dim=1) * self.cov_a.diagonal().clamp_min(0).sqrt()).pow(2)
@@ -343,6 +349,11 @@ class SiteInit:
         self._stats = None
         self._orders = orders          # the site's OBS orders from an earlier phase of the run (the same data)
         self.norm_eps = site_mod.get_submodule(layout.RES_LAYERS[naming]["norm2"]).eps if site.kind == "res" else 1e-5
+
+    @property
+    def order_seconds(self) -> float:
+        """Seconds this site spent computing OBS removal orders (0 when they came from an earlier phase)."""
+        return self._stats.order_seconds if self._stats is not None else 0.0
 
     @property
     def stats(self):
@@ -421,6 +432,7 @@ def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tup
             continue
         si = site_init(session, store, site)
         tensors, chosen, errors = si.best(ranks[site], session.tc.init_methods)
+        session.timing["obs_orders_s"] = session.timing.get("obs_orders_s", 0.0) + si.order_seconds
         s = session.site_by_name[site]
         row = {"site": site, "kind": s.kind, "width": s.width, "rank": ranks[site], "errors": errors,
                "chosen": chosen}

@@ -409,14 +409,16 @@ def _phases(session: "Session", w: dict, bank: Inputs, b2: int) -> list[Phase]:
     cap = _capture_inputs(tc, bank.n)
     phases.append(Phase("capture", cap, "input", cap, 0, math.ceil(cap / BATCH) * w["forward_batch8_s"]))
     sites, measured = _curve_measurements(session)
-    if sites:                                    # the OBS orders are computed here and reused by the init
+    every = [s.name for s in session.site_list]
+    if sites:
         probe = min(tc.alloc_inputs, bank.n_eval)
-        every = [s.name for s in session.site_list]
         phases.append(Phase("rank curves", sites, "site", sites * measured * probe, 0,
                             sites * measured * math.ceil(probe / BATCH) * w["forward_batch8_s"]
-                            + per_site("data_s", every) + per_site("order_s", every) + per_site("curve_s", every)))
+                            + per_site("data_s", every) + per_site("curve_s", every)))
+    # the OBS removal orders: computed once per site, in the rank-curve pass when there is one (it needs them
+    # first), else in the init; counted here, with the init, either way
     phases.append(Phase("init", n_sites, "site", 0, 0, per_site("data_s") + per_site("init_s")
-                        + (0 if sites else per_site("order_s"))))
+                        + per_site("order_s", every if sites else step1)))
     evals_s1 = _evaluations(tc.stage1_steps)
     stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items()) + per_site("data_s")
     held = math.ceil(bank.n_eval / BATCH) * w["forward_batch8_s"]

@@ -212,6 +212,7 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(curve))
             tmp.replace(path)
+            session.timing["obs_orders_s"] = session.timing.get("obs_orders_s", 0.0) + si.order_seconds
             del si
             session.free_device_memory()
         local[site] = curve

@@ -281,6 +281,8 @@ def trainer(ctx: Context, family: str) -> dict:
                 "loss_last": {k: v[-1] for k, v in losses.items() if v}, "measured_gib": dict(seg.gib)}
 
     def progress(done, total, info):
+        if "of" in info:          # calibration, capture, rank curves, init: no optimizer step (segment "None")
+            return
         new_stage = info["stage"] != seg.stage
         seg.step(info["stage"])
         losses[info["stage"]].append(float(info["loss"]))

@@ -1,7 +1,7 @@
 """What the default training recipe costs at real size, and how well the printed plan predicts a run.
 
     .venv/bin/python bench/real_size.py [--families sd15,sdxl] [--teachers tiny,wide] [--out out/real_size]
-        [--cache DIR] [--threads 2]
+        [--cache DIR] [--threads 2] [--plan-only]
 
 Real shapes (``--families``): a random-weight full-size checkpoint (tools/random_checkpoint.py: the real UNet and
 text encoders) on the CPU. (1) Two prompts through the checkpoint's own text encoders. (2) The cost plan of the
@@ -13,7 +13,7 @@ units of each phase (2 trajectories of 2 steps, 3 stage-1 steps per site, 2 stag
 work-folder bytes, next to what the plan predicted for that short run. (4) ``sdslim slim`` with those adapters and
 ``sdslim eval --prompt`` (1 seed, 2 steps): the whole path prompts → adapters → slim model → comparison.
 Tiny/wide teachers (``--teachers``): the demo's budget at ratio 0.5, the printed ETAs (before the run, and after the
-rank allocation) against the measured run.
+rank allocation) against the measured run. ``--plan-only``: (1) and (2) only, for each family.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _subset(session: Session):
     session.site_by_name = {s.name: s for s in session.site_list}
 
 
-def real_shapes(family: str, cache: Path, out: Path) -> dict:
+def real_shapes(family: str, cache: Path, out: Path, plan_only: bool = False) -> dict:
     path = cache / f"{family}_random.safetensors"
     if not path.exists():
         t0 = time.perf_counter()
@@ -98,6 +98,8 @@ def real_shapes(family: str, cache: Path, out: Path) -> dict:
     row["v02_plan"] = {"eta_s": v02.eta_s, "phases": v02.to_dict()["phases"],
                        "shares": {p.name: p.seconds / v02.eta_s for p in v02.phases}}
     del session, old
+    if plan_only:
+        return row
     # (3) a short run of the real phases on four sites
     stamps = []
     tc = TrainConfig(**SHORT)
@@ -156,6 +158,7 @@ def main(argv=None):
     p.add_argument("--out", default="out/real_size")
     p.add_argument("--cache", default=None, help="folder for the random checkpoints (default: --out)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--plan-only", action="store_true", help="encode and plan only: no short run, slim or eval")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -166,7 +169,7 @@ def main(argv=None):
     for fam in [f for f in args.families.split(",") if f]:
         if fam not in layout.FAMILIES:
             raise SystemExit(f"unknown family {fam}")
-        results["families"].append(real_shapes(fam, cache, out))
+        results["families"].append(real_shapes(fam, cache, out, args.plan_only))
         (out / "real_size.json").write_text(json.dumps(results, indent=1))
     for name in [t for t in args.teachers.split(",") if t]:
         results["teachers"].append(teacher_eta(name, out))
@@ -180,6 +183,8 @@ def main(argv=None):
         for ph in plan["phases"]:
             print(f"  {ph['name']:<12} {ph['units']:>6} {ph['unit']:<6} fwd {ph['forwards']:>7} bwd "
                   f"{ph['backwards']:>6}  {ph['seconds'] / 60:8.1f} min")
+        if "short_run" not in row:
+            continue
         s = row["short_run"]
         print(f"  short run ({len(s['sites'])} sites): wall {s['wall_s']:.0f} s (plan {s['predicted']['eta_s']:.0f} s), "
               f"work {s['work_bytes'] / 2 ** 20:.0f} MiB (plan {s['predicted']['work_bytes'] / 2 ** 20:.0f} MiB), "

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/make_icon.py
 """
+import argparse
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
@@ -11,7 +12,7 @@ BACK, BLOCK, SKIP, MIDDLE, TEXT = (24, 32, 48, 255), (88, 166, 255, 255), (120, 
     (235, 240, 248, 255)
 
 
-def main(out=Path(__file__).resolve().parents[1] / "docs" / "img" / "icon.png"):
+def draw(out: Path):
     img = Image.new("RGBA", (SIZE, SIZE), (0, 0, 0, 0))
     d = ImageDraw.Draw(img)
     d.rounded_rectangle([0, 0, SIZE - 1, SIZE - 1], radius=72, fill=BACK)
@@ -30,6 +31,12 @@ def main(out=Path(__file__).resolve().parents[1] / "docs" / "img" / "icon.png"):
     d.text((SIZE // 2, 368), "sdslim", fill=TEXT, font=font, anchor="mm")
     img.save(out, optimize=True)
     print(f"wrote {out}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "img" / "icon.png")
+    draw(ap.parse_args().out)
 
 
 if __name__ == "__main__":

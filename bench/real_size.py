@@ -8,7 +8,8 @@ text encoders) on the CPU. (1) Two prompts through the checkpoint's own text enc
 *default* recipe (``sdslim train --ckpt … --prompt …``, every setting at its default) with its warm-up measured on
 this machine: UNet forwards/backwards and seconds per phase, work-folder bytes, the rank allocation's share.
 (3) A short run of the real phases on four sites (the first and the deepest FeedForward and ResBlock) with a few
-units of each phase (2 trajectories of 2 steps, 3 stage-1 steps per site, 2 stage-2 steps): seconds per unit
+units of each phase (2 trajectories of 2 steps, 3 stage-1 steps per site, 2 stage-2 steps; act_select init: OBS's
+cost is in the plan): seconds per unit
 (trajectory of the default 20 steps, captured input, rank-curve site, stage-1 step, stage-2 step), RAM peak and
 work-folder bytes, next to what the plan predicted for that short run. (4) ``sdslim slim`` with those adapters and
 ``sdslim eval --prompt`` (1 seed, 2 steps): the whole path prompts → adapters → slim model → comparison.
@@ -47,7 +48,8 @@ from sdslim_core.train.session import Session  # noqa: E402
 from sdslim_core.train.teacher import teacher_weights  # noqa: E402
 
 PROMPTS = ["a photo of a cat sitting on a windowsill, soft light", "a red sports car on a wet road at night"]
-SHORT = dict(n_trajectories=2, sample_steps=2, stage1_steps=3, stage2_steps=2, checkpoint_every=10 ** 6)
+SHORT = dict(n_trajectories=2, sample_steps=2, stage1_steps=3, stage2_steps=2, checkpoint_every=10 ** 6,
+             init_methods=("act_select",))   # the path, not the fidelity: OBS on a 5120-wide FF is ~1 h on 2 cores
 
 
 def _rss_peak_gib() -> float:
@@ -68,7 +70,8 @@ def _subset(session: Session):
     session.site_by_name = {s.name: s for s in session.site_list}
 
 
-def real_shapes(family: str, cache: Path, out: Path, plan_only: bool = False) -> dict:
+def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only: bool = False):
+    """Fills ``row`` (``save()`` after each part, so a long run that is stopped keeps what it measured)."""
     path = cache / f"{family}_random.safetensors"
     if not path.exists():
         t0 = time.perf_counter()
@@ -81,8 +84,8 @@ def real_shapes(family: str, cache: Path, out: Path, plan_only: bool = False) ->
     calib = Calibration.from_conditioning(cond)
     calib.time_ids = None
     weights, cfg = teacher_weights(ckpt, ckpt.config)
-    row = {"family": family, "params": sum(v.numel() for v in weights.values()), "encode_s": encode_s,
-           "tokenizer": cond.info["tokenizer"]}
+    row.update(family=family, params=sum(v.numel() for v in weights.values()), encode_s=encode_s,
+               tokenizer=cond.info["tokenizer"])
     # (2) the default recipe's plan
     session = Session(weights, cfg, TrainConfig(), calib, out / f"{family}_default.safetensors", None, False)
     plan = make_plan(session)
@@ -98,8 +101,9 @@ def real_shapes(family: str, cache: Path, out: Path, plan_only: bool = False) ->
     row["v02_plan"] = {"eta_s": v02.eta_s, "phases": v02.to_dict()["phases"],
                        "shares": {p.name: p.seconds / v02.eta_s for p in v02.phases}}
     del session, old
+    save()
     if plan_only:
-        return row
+        return
     # (3) a short run of the real phases on four sites
     stamps = []
     tc = TrainConfig(**SHORT)
@@ -122,6 +126,7 @@ def real_shapes(family: str, cache: Path, out: Path, plan_only: bool = False) ->
                        "rank_curve_site": timing.get("ranks_s", 0) / len(session.site_order),
                        "stage1_step": timing.get("stage1_s_per_step"), "stage2_step": timing.get("stage2_s_per_step")},
         "work_bytes": _folder_bytes(session.work_dir), "predicted": short_plan.to_dict(), "rss_peak_gib": _rss_peak_gib()}
+    save()
     # (4) the rest of the path: slim the checkpoint with these adapters, compare teacher and slim with a prompt
     adapters = out / f"{family}_short.safetensors"
     t0 = time.perf_counter()
@@ -132,7 +137,7 @@ def real_shapes(family: str, cache: Path, out: Path, plan_only: bool = False) ->
     row["slim_eval"] = {"slim_s": slim_s, "eval_s": time.perf_counter() - t0, "conditioning": ev["conditioning"],
                         "eps_rel_error": ev["eps_rel_error"]["overall"], "latent_psnr_db": ev["latent_psnr_db"]["mean"],
                         "params": ev["params"]}
-    return row
+    save()
 
 
 def teacher_eta(name: str, out: Path) -> dict:
@@ -169,8 +174,10 @@ def main(argv=None):
     for fam in [f for f in args.families.split(",") if f]:
         if fam not in layout.FAMILIES:
             raise SystemExit(f"unknown family {fam}")
-        results["families"].append(real_shapes(fam, cache, out, args.plan_only))
-        (out / "real_size.json").write_text(json.dumps(results, indent=1))
+        row = {}
+        results["families"].append(row)
+        real_shapes(fam, cache, out, row, lambda: (out / "real_size.json").write_text(json.dumps(results, indent=1)),
+                    args.plan_only)
     for name in [t for t in args.teachers.split(",") if t]:
         results["teachers"].append(teacher_eta(name, out))
         (out / "real_size.json").write_text(json.dumps(results, indent=1))

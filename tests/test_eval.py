@@ -96,7 +96,7 @@ def test_ladder_puts_the_alternatives_beside_the_slim_model(weights, tmp_path):
     """The eval's ladder: identity slim is exact and full size; the alternatives are measured on the same seeds,
     each at its own storage size (Q4_0 < slim+fp8 ≤ fp8 < fp16 here) and Q8_0 closer to the teacher than Q4_0."""
     lora = kohya_lora(weights, tmp_path / "lora.safetensors")
-    r = evaluate.evaluate(DEFAULT_PATH, identity(weights), [(lora, 1.0)], seeds=2, steps=6, png=None,
+    r = evaluate.evaluate(DEFAULT_PATH, identity(weights), [(lora, 1.0)], seeds=2, steps=3, png=None,
                           compare=evaluate.COMPARE)
     rows = {row["row"]: row for row in r["ladder"]}
     assert list(rows) == ["slim", *evaluate.COMPARE]

@@ -60,6 +60,11 @@ def test_plan_only_writes_nothing_and_keep_work_keeps_the_folder(tmp_path, vocab
     plan = json.loads(out)
     assert plan["eta_s"] > 0 and plan["work_bytes"] > 0 and plan["phases"][0]["forwards"] == 2 * 2 * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sd15.safetensors"]
+    assert all(m["order_s"] > 0 for kind in plan["warmup"]["site"].values() for m in kind)
+    out, _ = _run(capsys, "train", "--ckpt", ckpt, "--out", tmp_path / "a.safetensors", "--prompt", "a cat",
+                  "--tokenizer", vocab.folder, *FAST, "--init-methods", "act_select", "--plan-only", "--json")
+    cheap = json.loads(out)                    # no OBS init method: no OBS orders measured, none counted
+    assert all(m["order_s"] == 0 for kind in cheap["warmup"]["site"].values() for m in kind)
     _run(capsys, "train", "--ckpt", ckpt, "--out", tmp_path / "a.safetensors", "--prompt", "a cat", "--tokenizer",
          vocab.folder, *FAST, "--uniform", "--keep-work", "--no-plan")
     work = tmp_path / "a.safetensors.work"

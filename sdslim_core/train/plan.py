@@ -291,7 +291,8 @@ def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shape
 def _site_init(session: "Session", site, shapes: dict, g) -> dict:
     """Seconds of the site-local work the phases repeat per site, measured on one site with random data of the
     run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the
-    activation covariances), the OBS removal order (``order_s``: once per run), a rank curve's local scoring
+    activation covariances), the OBS removal order (``order_s``: once per run; 0 when ``obs`` is not an init
+    method), a rank curve's local scoring
     (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank)."""
     from .init import SiteInit
     from .ranks import rank_grid
@@ -322,9 +323,11 @@ def _site_init(session: "Session", site, shapes: dict, g) -> dict:
     t0 = time.perf_counter()
     si.stats
     t_stats = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    si.tensors("obs", rank)                              # the OBS removal order (kept for the rest of the run)
-    t_order = time.perf_counter() - t0
+    t_order = 0.0
+    if "obs" in tc.init_methods:                         # the OBS removal order (kept for the rest of the run)
+        t0 = time.perf_counter()
+        si.tensors("obs", rank)
+        t_order = time.perf_counter() - t0
     fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
     t0 = time.perf_counter()
     si.curve(rank_grid(site, fractions), tc.init_methods[0])

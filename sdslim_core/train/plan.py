@@ -7,8 +7,9 @@ The warm-up runs, on random inputs of the run's shapes: one teacher forward at b
 each site's input shape), one stage-2 step (the UNet with train-time adapters at uniform ``ratio``: forward,
 backward, AdamW), one stage-1 step for each distinct site shape, and for the narrowest and the (lower) median
 site of each kind the site-local work the phases repeat per site (reading its data, the OBS order, the
-initialisation methods, a rank curve's scoring), extrapolated to wider sites by the power law through the two. A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The
-counts assume every site is slimmed; an allocation that leaves sites at full width trains fewer.
+initialisation methods, a rank curve's scoring), extrapolated to wider sites by the power law through the two.
+A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The counts assume
+every site is slimmed; an allocation that leaves sites at full width trains fewer.
 """
 from __future__ import annotations
 
@@ -290,10 +291,9 @@ def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shape
 
 def _site_init(session: "Session", site, shapes: dict, g) -> dict:
     """Seconds of the site-local work the phases repeat per site, measured on one site with random data of the
-    run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the
-    activation covariances), the OBS removal order (``order_s``: once per run; 0 when ``obs`` is not an init
-    method), a rank curve's local scoring
-    (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank)."""
+    run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the activation
+    covariances), the OBS removal order (``order_s``: once per run; 0 when ``obs`` is not an init method), a rank
+    curve's local scoring (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank)."""
     from .init import SiteInit
     from .ranks import rank_grid
     from .sites import SiteData

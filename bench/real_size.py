@@ -1,7 +1,7 @@
 """What the default training recipe costs at real size, and how well the printed plan predicts a run.
 
     .venv/bin/python bench/real_size.py [--families sd15,sdxl] [--teachers tiny,wide] [--out out/real_size]
-        [--cache DIR] [--threads 2] [--plan-only]
+        [--cache DIR] [--threads 2] [--plan-only] [--no-default-plan] [--short-latent N]
 
 Real shapes (``--families``): a random-weight full-size checkpoint (tools/random_checkpoint.py: the real UNet and
 text encoders) on the CPU. (1) Two prompts through the checkpoint's own text encoders. (2) The cost plan of the
@@ -19,6 +19,7 @@ rank allocation) against the measured run. ``--plan-only``: (1) and (2) only, fo
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -70,7 +71,8 @@ def _subset(session: Session):
     session.site_by_name = {s.name: s for s in session.site_list}
 
 
-def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only: bool = False):
+def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only: bool = False,
+                default_plan: bool = True, short_latent: int | None = None):
     """Fills ``row`` (``save()`` after each part, so a long run that is stopped keeps what it measured)."""
     path = cache / f"{family}_random.safetensors"
     if not path.exists():
@@ -86,27 +88,28 @@ def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only:
     weights, cfg = teacher_weights(ckpt, ckpt.config)
     row.update(family=family, params=sum(v.numel() for v in weights.values()), encode_s=encode_s,
                tokenizer=cond.info["tokenizer"])
-    # (2) the default recipe's plan
-    session = Session(weights, cfg, TrainConfig(), calib, out / f"{family}_default.safetensors", None, False)
-    plan = make_plan(session)
-    row["default_plan"] = plan.to_dict()
-    total = plan.eta_s
-    row["default_plan"]["shares"] = {p.name: p.seconds / total for p in plan.phases}
-    print(plan.text(), file=sys.stderr)
-    old = Session(weights, cfg, TrainConfig(allocation="e2e", alloc_inputs=32), calib, out / "v02.safetensors", None,
-                  False)                              # v0.2's default allocation, costed with the same warm-up
-    old.plan_tokens = session.plan_tokens
-    bank = bank_size(old)
-    v02 = Plan(_phases(old, plan.warmup, bank, _stage2_inputs(old, bank)), plan.work_bytes, plan.warmup)
-    row["v02_plan"] = {"eta_s": v02.eta_s, "phases": v02.to_dict()["phases"],
-                       "shares": {p.name: p.seconds / v02.eta_s for p in v02.phases}}
-    del session, old
-    save()
+    if default_plan:      # (2) the default recipe's plan
+        session = Session(weights, cfg, TrainConfig(), calib, out / f"{family}_default.safetensors", None, False)
+        plan = make_plan(session)
+        row["default_plan"] = plan.to_dict()
+        total = plan.eta_s
+        row["default_plan"]["shares"] = {p.name: p.seconds / total for p in plan.phases}
+        print(plan.text(), file=sys.stderr)
+        save()
+        old = copy.copy(session)                      # v0.2's default allocation, costed with the same warm-up
+        old.tc = TrainConfig(allocation="e2e", alloc_inputs=32)
+        bank = bank_size(old)
+        v02 = Plan(_phases(old, plan.warmup, bank, _stage2_inputs(old, bank)), plan.work_bytes, plan.warmup)
+        row["v02_plan"] = {"eta_s": v02.eta_s, "phases": v02.to_dict()["phases"],
+                           "shares": {p.name: p.seconds / v02.eta_s for p in v02.phases}}
+        del session, old
+        save()
     if plan_only:
         return
     # (3) a short run of the real phases on four sites
     stamps = []
-    tc = TrainConfig(**SHORT)
+    # four sites train in one group, where auto does not checkpoint: SDXL's stage-2 step at 128² needs it on 24 GiB
+    tc = TrainConfig(**SHORT, grad_ckpt=True if family == "sdxl" else "auto", latent_size=short_latent)
     session = Session(weights, cfg, tc, calib, out / f"{family}_short.safetensors", None, False)
     _subset(session)
     short_plan = make_plan(session)
@@ -127,14 +130,16 @@ def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only:
                        "stage1_step": timing.get("stage1_s_per_step"), "stage2_step": timing.get("stage2_s_per_step")},
         "work_bytes": _folder_bytes(session.work_dir), "predicted": short_plan.to_dict(), "rss_peak_gib": _rss_peak_gib()}
     save()
+    del session, result         # the teacher: the eval below holds the teacher and the slim UNet (SDXL: 2 × 10 GB)
     # (4) the rest of the path: slim the checkpoint with these adapters, compare teacher and slim with a prompt
     adapters = out / f"{family}_short.safetensors"
     t0 = time.perf_counter()
     slim_checkpoint(path, adapters, out / f"{family}_slim.safetensors")
     slim_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ev = evaluate(path, adapters, seeds=1, steps=2, prompt=PROMPTS[0], negative="blurry, low quality", compare=())
-    row["slim_eval"] = {"slim_s": slim_s, "eval_s": time.perf_counter() - t0, "conditioning": ev["conditioning"],
+    ev = evaluate(path, adapters, seeds=1, steps=2, prompt=PROMPTS[0], negative="blurry, low quality", compare=(),
+                  latent_size=short_latent)
+    row["slim_eval"] = {"latent_size": ev.get("latent_size", short_latent), "slim_s": slim_s, "eval_s": time.perf_counter() - t0, "conditioning": ev["conditioning"],
                         "eps_rel_error": ev["eps_rel_error"]["overall"], "latent_psnr_db": ev["latent_psnr_db"]["mean"],
                         "params": ev["params"]}
     save()
@@ -164,6 +169,10 @@ def main(argv=None):
     p.add_argument("--cache", default=None, help="folder for the random checkpoints (default: --out)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--plan-only", action="store_true", help="encode and plan only: no short run, slim or eval")
+    p.add_argument("--no-default-plan", action="store_true",
+                   help="skip (2), the default recipe's plan (SDXL's warm-up alone is ~32 min on 2 cores)")
+    p.add_argument("--short-latent", type=int, default=None,
+                   help="latent size of the short run and the eval (default: the model's, 64 SD1.5, 128 SDXL)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -177,12 +186,15 @@ def main(argv=None):
         row = {}
         results["families"].append(row)
         real_shapes(fam, cache, out, row, lambda: (out / "real_size.json").write_text(json.dumps(results, indent=1)),
-                    args.plan_only)
+                    args.plan_only, not args.no_default_plan, args.short_latent)
     for name in [t for t in args.teachers.split(",") if t]:
         results["teachers"].append(teacher_eta(name, out))
         (out / "real_size.json").write_text(json.dumps(results, indent=1))
     for row in results["families"]:
-        plan = row["default_plan"]
+        plan = row.get("default_plan")
+        if plan is None:
+            plan = {"eta_s": float("nan"), "work_bytes": float("nan"), "shares": {}, "phases": []}
+            row.setdefault("v02_plan", {"eta_s": float("nan"), "shares": {}})
         print(f"\n{row['family']} default recipe (plan): ETA {plan['eta_s'] / 3600:.2f} h, work folder "
               f"{plan['work_bytes'] / 2 ** 30:.2f} GiB; rank curves {plan['shares'].get('rank curves', 0):.1%} "
               f"(v0.2's e2e allocation: ETA {row['v02_plan']['eta_s'] / 3600:.2f} h, rank curves "

@@ -207,3 +207,69 @@ def test_stage2_step_with_every_site_teacher_still_trains_one(tmp_path):
     result = train_adapters(_teacher(), tiny_config(), _calib(), TrainConfig(**small), tmp_path / "adapters.safetensors")
     assert result.report.steps["stage2"] == 6
     assert all(torch.isfinite(v).all() for t in result.adapters.sites.values() for v in t.values())
+
+
+# ------------------------------------------------------------------------- stage 2 in groups when memory is short
+
+@pytest.mark.parametrize("family,ram_gib", [("sdxl", 24), ("sdxl", 64), ("sd15", 24), ("sd15", 8)])
+def test_cpu_stage2_groups_are_the_fewest_that_fit_the_ram(family, ram_gib, monkeypatch):
+    """On a CPU, ``stage2_groups=auto`` follows the machine's RAM: the largest group's adapter state (fp32 params,
+    grads, AdamW moments, bf16 copies: 18 B/param) fits beside the fp32 teacher in 92 % of the RAM less a quarter
+    of it, and one group fewer would not (real SD1.5/SDXL shapes, uniform 0.5)."""
+    from types import SimpleNamespace
+    from sdslim_core import layout
+    from sdslim_core.layout import rank_policy
+    from sdslim_core.modules.unet import canonical_shapes
+    from sdslim_core.train import stage2
+    from sdslim_core.train.ranks import adapter_param_count, param_count
+    shapes = {k: tuple(v) for k, v in canonical_shapes(layout.config_for_arch(family)).items()}
+    sites = layout.sites(shapes)
+    ranks = rank_policy.ranks_for_ratio(sites, 0.5)
+    ram = ram_gib * 2 ** 30
+    monkeypatch.setattr(stage2, "physical_memory", lambda: ram)
+    session = SimpleNamespace(tc=TrainConfig(), device=torch.device("cpu"), shapes=shapes, site_list=sites,
+                              teacher_dtype=torch.float32, optimizer_name="adamw", say=lambda text: None)
+    n = stage2.resolve_groups(session, ranks)
+    room = 0.92 * ram - 4 * param_count(shapes) - ram / 4
+
+    def largest(k):
+        sizes = {s.name: adapter_param_count([s], ranks) for s in sites}
+        return max(sum(sizes[s] for s in g) for g in stage2.split_groups([s.name for s in sites], sizes, k)) * 18
+    assert largest(n) <= room or n == len(ranks)
+    assert n == 1 or largest(n - 1) > room
+    expect_groups = {("sdxl", 24): True, ("sdxl", 64): True, ("sd15", 24): False, ("sd15", 8): True}
+    assert (n > 1) == expect_groups[(family, ram_gib)], n
+
+
+def test_the_plans_warm_up_trains_the_largest_group_with_checkpointing(tmp_path, monkeypatch):
+    """When stage 2 trains in groups, the warm-up's stage-2 step holds that many adapters (the largest group's),
+    with the run's gradient checkpointing (auto: on once in groups), so the plan needs no more memory than the
+    run; the run itself checkpoints too."""
+    from sdslim_core.modules import swap
+    from sdslim_core.train import stage2
+    from sdslim_core.train.plan import make_plan
+    from sdslim_core.train.ranks import adapter_param_count
+    from sdslim_core.train.session import Session
+    from sdslim_core.train.teacher import teacher_weights
+    built = []
+    real = swap.attach_train_adapters
+
+    def spy(unet, aset):
+        student, adapters = real(unet, aset)
+        built.append((set(aset.sites), student))
+        return student, adapters
+    monkeypatch.setattr(swap, "attach_train_adapters", spy)
+    weights, cfg = teacher_weights(_teacher(), tiny_config())
+    tc = TrainConfig(**dict(FAST, n_trajectories=4, latent_size=8, stage2_groups=3))
+    session = Session(weights, cfg, tc, _calib(), tmp_path / "a.safetensors", None, False)
+    make_plan(session)
+    from sdslim_core.layout import rank_policy
+    ranks = rank_policy.ranks_for_ratio(session.site_list, 0.5)
+    sizes = {s: adapter_param_count([session.site_by_name[s]], ranks) for s in ranks}
+    groups = stage2.split_groups(session.site_order, sizes, 3)
+    sites, student = built[0]
+    assert sites == set(max(groups, key=lambda g: sum(sizes[s] for s in g))) and len(sites) < len(ranks)
+    assert student.is_gradient_checkpointing
+    assert session.use_grad_ckpt(3) and not session.use_grad_ckpt(1)
+    assert not Session(weights, cfg, TrainConfig(**dict(FAST, grad_ckpt=False)), _calib(), tmp_path / "b.safetensors",
+                       None, False).use_grad_ckpt(3)

@@ -75,7 +75,11 @@ def register(subparsers):
     o.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default 200)")
     o.add_argument("--optimizer", choices=("auto", "adamw", "adamw8bit"), default="auto")
     o.add_argument("--stage2-groups", default=None, help="train stage 2 in N site groups one after another (less "
-                                                          "VRAM); default auto (from the GPU's memory)")
+                                                          "VRAM or RAM); default auto (from the GPU's memory, "
+                                                          "on a CPU from the RAM)")
+    o.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
+                   help="gradient checkpointing in stage 2 (less memory, ~1/3 more compute); auto: on CUDA, and "
+                        "whenever stage 2 trains in groups")
     o.add_argument("--no-vram-estimate", action="store_true", help="skip the VRAM prediction before training")
     o.add_argument("--no-plan", action="store_true", help="skip the cost plan (UNet passes per phase, work folder "
                                                           "size, ETA from a short warm-up) printed before training")
@@ -178,6 +182,8 @@ def config_from_args(args, pipe=None, log=None):
         kw["latent_size"] = pipe.latent_size
     if getattr(args, "stage2_groups", None):
         kw["stage2_groups"] = "auto" if args.stage2_groups == "auto" else int(args.stage2_groups)
+    if getattr(args, "grad_ckpt", "auto") != "auto":
+        kw["grad_ckpt"] = args.grad_ckpt == "on"
     return TrainConfig(device=args.device, seed=args.seed, work_dir=args.work_dir, optimizer=args.optimizer,
                        progress_bar=not args.no_progress, vram_estimate=not args.no_vram_estimate,
                        plan=not args.no_plan, log=log, **kw)

@@ -83,7 +83,7 @@ class TrainConfig:
     teacher_dtype: str = "auto"            # auto = float16 on CUDA, float32 otherwise
     amp: str = "auto"                      # auto = bf16 autocast on CUDA (when supported), off on CPU
     optimizer: str = "auto"                # auto = 8-bit AdamW with bitsandbytes on CUDA, else AdamW
-    grad_ckpt: str | bool = "auto"         # gradient checkpointing in stage 2 (auto = on CUDA)
+    grad_ckpt: str | bool = "auto"         # gradient checkpointing in stage 2 (auto = on CUDA, or in groups)
     checkpoint_every: int = 200            # optimizer steps between checkpoints (both stages)
     keep_checkpoints: int = 2
     work_dir: str | None = None            # default: <out>.work next to the output file

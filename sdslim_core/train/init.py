@@ -79,34 +79,44 @@ def obs_order(cov: torch.Tensor, weight_gram: torch.Tensor, group: int = 1) -> t
     """Blocks of ``group`` consecutive units in the order greedy backward OBS removes them (all but the last).
 
     Minimises, one removal at a time, tr(M (Σ − Σ_{:,S} Σ_SS⁻¹ Σ_{S,:})) over the kept set S, M = ``weight_gram``
-    (the next layer's Gram), Σ = ``cov``: removing block B costs tr(C_Bᵀ M C_B (Σ_S⁻¹)_BB⁻¹), C the current
-    least-squares map from the kept units to all units; C and Σ_S⁻¹ are updated after each removal (removed units
-    become zero). Greedy sets are nested, so one order serves every rank (:func:`obs_keep`)."""
-    m = cov.shape[0]
-    if m % group:
-        raise ValueError(f"obs_order: {m} units do not split into blocks of {group}")
+    (the next layer's Gram, symmetric), Σ = ``cov``: removing block B costs tr(C_Bᵀ M C_B (Σ_S⁻¹)_BB⁻¹), C the
+    current least-squares map from the kept units to all units. After each removal C, Σ_S⁻¹ and the numerators
+    C_Bᵀ M C_B are updated in place by rank-g downdates, and every so often the matrices shrink to the kept blocks
+    (memory traffic, not arithmetic, bounds this on a CPU). Greedy sets are nested, so one order serves every rank
+    (:func:`obs_keep`)."""
+    m, g = cov.shape[0], group
+    if m % g:
+        raise ValueError(f"obs_order: {m} units do not split into blocks of {g}")
     cov, weight_gram = cov.double(), weight_gram.double()      # thousands of rank-g downdates: float64 on any device
     eye = torch.eye(m, dtype=cov.dtype, device=cov.device)
-    h_inv = torch.linalg.inv(cov + _RIDGE * float(cov.diagonal().mean().clamp_min(1e-30)) * eye)
-    c = eye.clone()                                   # m × m: columns of removed units become zero
-    cm = weight_gram @ c                              # M C (M symmetric)
-    n_blocks = m // group
-    alive = torch.ones(n_blocks, dtype=torch.bool, device=cov.device)
-    blocks = torch.arange(m, device=cov.device).view(n_blocks, group)
+    h_inv = torch.linalg.inv(cov + _RIDGE * float(cov.diagonal().mean().clamp_min(1e-30)) * eye)   # Σ_S⁻¹
+    c = eye                                           # m × |S|: removed columns become zero until the next shrink
+    ids = torch.arange(m // g, device=cov.device)     # the block of each column block of c (and of Σ_S⁻¹)
+    num = weight_gram.view(m // g, g, m // g, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1).clone()  # C_Bᵀ M C_B
+    alive = torch.ones(ids.numel(), dtype=torch.bool, device=cov.device)
     order = []
-    for _ in range(n_blocks - 1):
-        gi = h_inv.view(n_blocks, group, n_blocks, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1)   # B × g × g
-        cbmc = torch.einsum("mbi,mbj->bij", c.view(m, n_blocks, group), cm.view(m, n_blocks, group))
-        cost = torch.linalg.solve(gi[alive], cbmc[alive]).diagonal(dim1=1, dim2=2).sum(1)
-        j = int(torch.nonzero(alive)[int(torch.argmin(cost))])
-        idx = blocks[j]
-        b = torch.linalg.inv(h_inv[idx][:, idx])
-        row = h_inv[idx]                               # g × m
-        c = c - c[:, idx] @ b @ row
-        cm = cm - cm[:, idx] @ b @ row
-        h_inv = h_inv - row.T @ b @ row
-        alive[j] = False
-        order.append(j)
+    for _ in range(m // g - 1):
+        a = ids.numel()
+        gi = h_inv.view(a, g, a, g).diagonal(dim1=0, dim2=2).permute(2, 0, 1)             # (Σ_S⁻¹)_BB
+        cost = torch.linalg.solve(gi[alive], num[alive]).diagonal(dim1=1, dim2=2).sum(1)
+        k = int(torch.nonzero(alive)[int(torch.argmin(cost))])
+        cols = slice(k * g, k * g + g)
+        row = h_inv[cols].clone()                                                            # g × |S|
+        p = torch.linalg.solve(row[:, cols], row)                                            # (Σ_S⁻¹)_kk⁻¹ row
+        ck = c[:, cols].clone()
+        t = (weight_gram @ ck).T @ c                                                         # C_kᵀ M C, g × |S|
+        c.addmm_(ck, p, alpha=-1.0)
+        h_inv.addmm_(row.T, p, alpha=-1.0)
+        pb, tb = p.view(g, a, g).transpose(0, 1), t.view(g, a, g).transpose(0, 1)            # per block: g × g
+        cross = pb.transpose(1, 2) @ tb
+        num -= cross + cross.transpose(1, 2) - pb.transpose(1, 2) @ t[:, cols] @ pb
+        alive[k] = False
+        order.append(int(ids[k]))
+        if 8 * int((~alive).sum()) >= a:                                                     # shrink to S
+            keep = torch.nonzero(alive).flatten()
+            cols_kept = (keep[:, None] * g + torch.arange(g, device=cov.device)).flatten()
+            c, h_inv = c[:, cols_kept], h_inv[cols_kept][:, cols_kept]
+            num, ids, alive = num[keep], ids[keep], alive[keep]
     return torch.tensor(order, dtype=torch.long)
 
 

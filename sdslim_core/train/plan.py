@@ -4,8 +4,9 @@ size, and an ETA from a short warm-up on the run's own device.
 Counts follow the settings exactly where the phases are fixed by them (trajectories, rank-curve measurements,
 held-out evaluations, optimizer steps) and approximately where random subsets overlap (the capture's inputs).
 The warm-up runs, on random inputs of the run's shapes: one teacher forward at batch 8 (with hooks recording
-each site's input shape), one stage-2 step (the UNet with train-time adapters at uniform ``ratio``: forward,
-backward, AdamW), one stage-1 step for each distinct site shape, and for the narrowest and the (lower) median
+each site's input shape), one stage-2 step (the UNet with train-time adapters at uniform ``ratio`` on the sites
+of the largest group stage 2 trains at once, with its gradient checkpointing: forward, backward, AdamW), one
+stage-1 step for each distinct site shape, and for the narrowest and the (lower) median
 site of each kind the site-local work the phases repeat per site (reading its data, the OBS order, the
 initialisation methods, a rank curve's scoring), extrapolated to wider sites by the power law through the two.
 A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The counts assume
@@ -243,11 +244,11 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
         for h in hooks:
             h.remove()
     session.plan_tokens = {k: math.prod(v[1:]) if len(v) == 3 else v[0] for k, v in shapes.items()}  # H·W
-    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, session.tc.ratio or 0.5)
-    t_step2, t_step1 = _train_steps(session, aset, stage2_inputs, shapes, g)
+    ranks = rank_policy.ranks_for_ratio(session.site_list, session.tc.ratio or 0.5)
+    t_step2, t_step1 = _train_steps(session, ranks, stage2_inputs, shapes, g)
     site_local = {}
     for kind in ("ff", "res"):
-        of_kind = sorted((s for s in session.site_list if s.kind == kind and s.name in aset.sites),
+        of_kind = sorted((s for s in session.site_list if s.kind == kind and s.name in ranks),
                          key=lambda s: s.width)
         if of_kind:
             low, mid = of_kind[0], of_kind[(len(of_kind) - 1) // 2]
@@ -258,10 +259,20 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
             "shapes": {k: list(v) for k, v in shapes.items()}, "seconds": time.perf_counter() - t_start}
 
 
-def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shapes: dict, g) -> tuple[float, dict]:
-    """(seconds of one stage-2 step with ``aset``'s train-time adapters, {site: seconds of one stage-1 step})."""
+def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: dict, g) -> tuple[float, dict]:
+    """(seconds of one stage-2 step, {site: seconds of one stage-1 step}) at ``ranks``. The stage-2 step trains
+    the largest of the groups stage 2 will train in (every site when it trains them at once), with the run's
+    gradient checkpointing, so that the warm-up needs no more memory than the run."""
+    from .ranks import adapter_param_count
+    from .stage2 import resolve_groups, split_groups
+    n_groups = resolve_groups(session, ranks)
+    sizes = {s: adapter_param_count([session.site_by_name[s]], ranks) for s in ranks}
+    group = max(split_groups(session.site_order, sizes, n_groups), key=lambda gr: sum(sizes[s] for s in gr))
     teacher = session.placement.on_device()
+    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, {s: ranks[s] for s in group})
     student, adapters = swap.attach_train_adapters(teacher, aset)
+    if session.use_grad_ckpt(n_groups) and hasattr(student, "enable_gradient_checkpointing"):
+        student.enable_gradient_checkpointing()
     params = [p for a in adapters.values() for p in a.parameters()]
     for p in params:
         p.requires_grad_(True)
@@ -277,14 +288,15 @@ def _train_steps(session: "Session", aset: AdapterSet, stage2_inputs: int, shape
         opt.zero_grad(set_to_none=True)
         _sync(session.device)
     t_step2 = _timed(step2)
-    del student, adapters, opt
+    del student, adapters, opt, params, aset
     t_step1, seen = {}, {}
     for s in session.site_list:
-        if s.name not in aset.sites:
+        if s.name not in ranks:
             continue
-        key = (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name), aset.rank(s.name))
+        key = (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name), ranks[s.name])
         if key not in seen:
-            seen[key] = _site_step(session, aset, s, shapes.get(s.name), g)
+            one = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, {s.name: ranks[s.name]})
+            seen[key] = _site_step(session, one, s, shapes.get(s.name), g)
         t_step1[s.name] = seen[key]
     return t_step2, t_step1
 
@@ -380,10 +392,9 @@ def replan(session: "Session", plan: Plan, ranks: dict) -> Plan:
     (one stage-2 step, one stage-1 step per distinct site shape); the rest as warmed up before."""
     bank = bank_size(session)
     b2 = _stage2_inputs(session, bank)
-    aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, ranks)
     shapes = {k: tuple(v) for k, v in plan.warmup["shapes"].items()}
     t0 = time.perf_counter()
-    t_step2, t_step1 = _train_steps(session, aset, b2, shapes, torch.Generator().manual_seed(1))
+    t_step2, t_step1 = _train_steps(session, ranks, b2, shapes, torch.Generator().manual_seed(1))
     session.placement.release()
     w = dict(plan.warmup, stage2_step_s=t_step2, stage1_step_s=t_step1,
              seconds=plan.warmup["seconds"] + time.perf_counter() - t0)

@@ -82,7 +82,6 @@ class Session:
             self.amp_dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
         else:
             self.amp_dtype = {"off": None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[tc.amp]
-        self.grad_ckpt = cuda if tc.grad_ckpt == "auto" else bool(tc.grad_ckpt)
         self.naming = "diffusers"
         teacher = load_diffusers_unet(weights, cfg, dtype=self.teacher_dtype, device="cpu")
         teacher.eval().requires_grad_(False)
@@ -115,6 +114,13 @@ class Session:
             elif self.tc.progress_bar:
                 from tqdm.auto import tqdm
                 tqdm.write(text, file=sys.stderr)
+
+    def use_grad_ckpt(self, stage2_groups: int) -> bool:
+        """Gradient checkpointing in stage 2: as asked, or (``auto``) on CUDA and whenever the memory makes stage 2
+        train in groups."""
+        if self.tc.grad_ckpt != "auto":
+            return bool(self.tc.grad_ckpt)
+        return self.device.type == "cuda" or stage2_groups > 1
 
     def amp(self):
         if self.amp_dtype is None:

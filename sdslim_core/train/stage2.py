@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import torch
 
@@ -137,12 +138,13 @@ def measure(session, aset: AdapterSet, bank: InputBank) -> float:
     return (num / max(den, 1e-30)) ** 0.5
 
 
-def auto_groups(teacher_bytes: int, adapter_params: int, optimizer: str, total_bytes: int, n_sites: int) -> int:
+def auto_groups(teacher_bytes: int, adapter_params: int, optimizer: str, total_bytes: int, n_sites: int,
+                margin: float = 1.5 * 2 ** 30) -> int:
     """Fewest stage-2 groups whose adapters (fp32), gradients, optimizer states and bf16 autocast copies fit next
-    to the teacher and a 1.5 GiB margin in 92% of ``total_bytes``."""
+    to the teacher and ``margin`` bytes in 92% of ``total_bytes``."""
     import math
     per = 4 + 4 + (2 if optimizer == "adamw8bit" else 8) + 2
-    avail = 0.92 * total_bytes - teacher_bytes - 1.5 * 2 ** 30
+    avail = 0.92 * total_bytes - teacher_bytes - margin
     if adapter_params * per <= avail:
         return 1
     if avail <= 0:
@@ -150,21 +152,31 @@ def auto_groups(teacher_bytes: int, adapter_params: int, optimizer: str, total_b
     return max(1, min(n_sites, math.ceil(adapter_params * per / avail)))
 
 
+def physical_memory() -> int:
+    """Bytes of RAM on this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def resolve_groups(session, ranks: dict) -> int:
     """``stage2_groups``, with ``auto`` = the fewest groups whose adapters, gradients, optimizer states and
-    bf16 copies fit next to the fp16 teacher and a 1.5 GiB margin (activations of the checkpointed UNet at
-    batch 1, CUDA context, allocator slack) in 92% of the GPU's memory (finished groups run folded, their
-    teacher layers off the device, so the teacher is the most the other sites ever take)."""
+    bf16 copies fit next to the teacher (finished groups run folded, their teacher layers off the device, so the
+    teacher is the most the other sites ever take) in 92% of the memory the run trains in, less a margin: on a
+    GPU 1.5 GiB (activations of the checkpointed UNet at batch 1, CUDA context, allocator slack), in RAM a quarter
+    of it (the activations, the system and the checkpoint's file pages)."""
     tc, device = session.tc, session.device
     if tc.stage2_groups != "auto":
         return int(tc.stage2_groups)
-    if device.type != "cuda":
-        return 1
-    total = torch.cuda.get_device_properties(device).total_memory
     teacher = param_count(session.shapes) * torch.finfo(session.teacher_dtype).bits // 8
-    g = auto_groups(teacher, adapter_param_count(session.site_list, ranks), session.optimizer_name, total, len(ranks))
+    if device.type == "cuda":
+        total, margin = torch.cuda.get_device_properties(device).total_memory, 1.5 * 2 ** 30
+    else:
+        total = physical_memory()
+        margin = max(1.5 * 2 ** 30, total / 4)
+    g = auto_groups(teacher, adapter_param_count(session.site_list, ranks), session.optimizer_name, total, len(ranks),
+                    margin)
     if g == len(ranks) and g > 1:
-        session.say("stage 2: the teacher nearly fills this GPU; training one site at a time")
+        session.say(f"stage 2: the teacher nearly fills this {'GPU' if device.type == 'cuda' else 'RAM'}; "
+                    "training one site at a time")
     return g
 
 
@@ -186,7 +198,7 @@ def fit_group(session, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups:
     tree, adapters, gates = build(session, aset, group, done_sites)
     params = [p for s in group for p in adapters[s].parameters()]
     named = {f"{s}/{n}": p for s in group for n, p in adapters[s].named_parameters()}
-    if session.grad_ckpt and hasattr(tree, "enable_gradient_checkpointing"):
+    if session.use_grad_ckpt(len(groups)) and hasattr(tree, "enable_gradient_checkpointing"):
         tree.enable_gradient_checkpointing()
     feature = None
     if tc.feature_loss:

@@ -227,7 +227,7 @@ def predict_for(session, ranks: dict, stage2_groups: int) -> dict:
     train_sites = max(groups, key=lambda g: sum(sizes[s] for s in g))
     session.say("predicting peak VRAM (the VRAM estimator runs the training step on fake tensors, ~1 min)…")
     info = predict(session.cfg, ranks, tc, session.latent_size, opt,
-                   grad_ckpt=session.grad_ckpt or device.type != "cuda",
+                   grad_ckpt=session.use_grad_ckpt(len(groups)) or device.type != "cuda",
                    train_sites=train_sites if len(groups) > 1 else None)
     session.say("VRAM: " + info["text"])
     return info

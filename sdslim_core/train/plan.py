@@ -263,11 +263,9 @@ def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: di
     """(seconds of one stage-2 step, {site: seconds of one stage-1 step}) at ``ranks``. The stage-2 step trains
     the largest of the groups stage 2 will train in (every site when it trains them at once), with the run's
     gradient checkpointing, so that the warm-up needs no more memory than the run."""
-    from .ranks import adapter_param_count
-    from .stage2 import resolve_groups, split_groups
+    from .stage2 import largest_group, resolve_groups
     n_groups = resolve_groups(session, ranks)
-    sizes = {s: adapter_param_count([session.site_by_name[s]], ranks) for s in ranks}
-    group = max(split_groups(session.site_order, sizes, n_groups), key=lambda gr: sum(sizes[s] for s in gr))
+    group = largest_group(session, ranks, n_groups)
     teacher = session.placement.on_device()
     aset = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, {s: ranks[s] for s in group})
     student, adapters = swap.attach_train_adapters(teacher, aset)

@@ -92,6 +92,12 @@ def split_groups(site_order: list, size: dict, n_groups: int) -> list[list[str]]
     return groups
 
 
+def largest_group(session, ranks: dict, n_groups: int) -> list[str]:
+    """The sites of the largest (by adapter parameters) of the ``n_groups`` groups stage 2 trains ``ranks`` in."""
+    sizes = {s.name: adapter_param_count([s], ranks) for s in session.site_list if s.name in ranks}
+    return max(split_groups(session.site_order, sizes, n_groups), key=lambda g: sum(sizes[s] for s in g))
+
+
 def build(session, aset: AdapterSet, group: list | None = None, done=()):
     """The stage-2 module: ``group``'s sites (default all) gated between the teacher and trainable train-time
     adapters; the ``done`` sites (earlier groups) replaced by their folded students, whose teacher layers leave

@@ -29,7 +29,7 @@ from ..vram.estimate import estimate_many
 from ..vram.settings import Settings
 from .ranks import adapter_param_count, param_count
 from .sites import SiteGate
-from .stage2 import split_groups
+from .stage2 import largest_group
 
 GIB = 2 ** 30
 _ENV = "SDSLIM_TRAIN_ESTIMATE_RANKS"
@@ -222,12 +222,10 @@ def predict_for(session, ranks: dict, stage2_groups: int) -> dict:
     session's log."""
     tc, device = session.tc, session.device
     opt = session.optimizer_name if device.type == "cuda" else ("adamw8bit" if tc.optimizer == "adamw8bit" else "adamw")
-    sizes = {s.name: adapter_param_count([s], ranks) for s in session.site_list if s.name in ranks}
-    groups = split_groups(session.site_order, sizes, stage2_groups)
-    train_sites = max(groups, key=lambda g: sum(sizes[s] for s in g))
+    train_sites = largest_group(session, ranks, stage2_groups)
     session.say("predicting peak VRAM (the VRAM estimator runs the training step on fake tensors, ~1 min)…")
     info = predict(session.cfg, ranks, tc, session.latent_size, opt,
-                   grad_ckpt=session.use_grad_ckpt(len(groups)) or device.type != "cuda",
-                   train_sites=train_sites if len(groups) > 1 else None)
+                   grad_ckpt=session.use_grad_ckpt(stage2_groups) or device.type != "cuda",
+                   train_sites=train_sites if stage2_groups > 1 else None)
     session.say("VRAM: " + info["text"])
     return info

@@ -82,7 +82,7 @@ class Teacher:
         self.weights = {k: v.float() for k, v in self.pipe.checkpoint.weights.items()}
         self.shapes = {k: tuple(v.shape) for k, v in self.weights.items()}
         merged, _ = lora.merge_loras(self.weights, [(assets.lora, 1.0)], self.cfg)
-        self.candidates = fidelity.Candidates(self.pipe.unet, self.cfg, self.weights, merged)
+        self.candidates = fidelity.Candidates(self.cfg, self.weights, merged)
         teacher_lora = self.candidates.unet({**self.weights, **merged})
         batch = tiny_data.make_batch(PROMPTS_SEED, 0, n_images)
         control = tiny.controlnet_hook(tiny.load_tiny_controlnet(assets.controlnet), batch.masks)

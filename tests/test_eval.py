@@ -92,12 +92,26 @@ def test_cli_json_is_one_strict_object(weights, tmp_path, capsys):
     assert r["latent_psnr_db"]["mean"] == "inf" and r["eps_rel_error"]["mean"] == 0
 
 
-def test_ladder_puts_the_alternatives_beside_the_slim_model(weights, tmp_path):
+def test_ladder_puts_the_alternatives_beside_the_slim_model(weights, tmp_path, monkeypatch):
     """The eval's ladder: identity slim is exact and full size; the alternatives are measured on the same seeds,
-    each at its own storage size (Q4_0 < slim+fp8 ≤ fp8 < fp16 here) and Q8_0 closer to the teacher than Q4_0."""
+    each at its own storage size (Q4_0 < slim+fp8 ≤ fp8 < fp16 here) and Q8_0 closer to the teacher than Q4_0.
+    One candidate (with its LoRA twin) is alive at a time: full-size SDXL holds 10 GB per fp32 UNet."""
+    import gc
+    import weakref
+    built, most_alive = [], []
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        most_alive.append(sum(ref() is not None for ref in built))
+        model = load(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+    load = fidelity.load_diffusers_unet
+    monkeypatch.setattr(fidelity, "load_diffusers_unet", tracked)
     lora = kohya_lora(weights, tmp_path / "lora.safetensors")
     r = evaluate.evaluate(DEFAULT_PATH, identity(weights), [(lora, 1.0)], seeds=2, steps=3, png=None,
                           compare=evaluate.COMPARE)
+    assert len(built) == 2 * (1 + len(evaluate.COMPARE)) + 1 and max(most_alive) == 1     # + the teacher's LoRA twin
     rows = {row["row"]: row for row in r["ladder"]}
     assert list(rows) == ["slim", *evaluate.COMPARE]
     slim = rows["slim"]

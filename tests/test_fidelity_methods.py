@@ -287,7 +287,7 @@ def test_fidelity_engine_scores_identity_perfectly_and_sees_a_lora():
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     from sdslim_core.ops import lora
     merged, _ = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], pipe.checkpoint.config)
-    cands = fidelity.Candidates(pipe.unet, pipe.checkpoint.config, weights, merged)
+    cands = fidelity.Candidates(pipe.checkpoint.config, weights, merged)
     teacher_lora = cands.unet({**weights, **merged})
     caps = ["a red circle on a blue background", "a blue square on a yellow background"]
     probe = fidelity.Probe(fn_of=lambda m: (lambda x, t, c, **r: m(x, t, encoder_hidden_states=c, **r).sample),
@@ -314,7 +314,7 @@ def test_slim_stacked_with_a_format_applies_the_lora_as_that_format_does(method)
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     merged, _ = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], pipe.checkpoint.config)
     aset = adapters.AdapterSet.load(tiny.ASSETS / "tiny_sd15_slim_half.safetensors")
-    _, model_lora, stored = fidelity.Candidates(pipe.unet, pipe.checkpoint.config, weights, merged).slim(aset, method)
+    model, model_lora, stored = fidelity.Candidates(pipe.checkpoint.config, weights, merged).slim(aset, method)
     base = {**weights, **fold.fold_state_dict(weights, aset)}
     with_lora = {**weights, **merged}
     with_lora.update(fold.fold_state_dict(with_lora, aset))
@@ -328,3 +328,8 @@ def test_slim_stacked_with_a_format_applies_the_lora_as_that_format_does(method)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7, msg=k)
     assert all(torch.equal(stored[k], quant.round_trip({k: v}, method)[k]) for k, v in base.items())
+    plain = layout.to_canonical(model.state_dict())[0]
+    lora_sites = [site for site in aset.sites if any(k.startswith(f"{site}.") for k in merged)]
+    untouched = [k for k in base if k not in merged and not any(k.startswith(f"{site}.") for site in lora_sites)]
+    assert len(untouched) > len(base) / 2
+    assert all(got[k].data_ptr() == plain[k].data_ptr() for k in untouched)     # shared with the plain model

@@ -69,6 +69,9 @@ def test_plan_only_writes_nothing_and_keep_work_keeps_the_folder(tmp_path, vocab
          vocab.folder, *FAST, "--uniform", "--keep-work", "--no-plan")
     work = tmp_path / "a.safetensors.work"
     assert (work / "calib" / "inputs.safetensors").exists() and (tmp_path / "a.safetensors").exists()
+    # the per-site files go once the stage's own file holds them all
+    assert (work / "init.safetensors").exists() and (work / "stage1.safetensors").exists()
+    assert not (work / "init").exists() and not (work / "stage1").exists() and any((work / "stage2").iterdir())
 
 
 def test_plan_eta_and_work_folder_size_are_close_to_the_run(tmp_path):

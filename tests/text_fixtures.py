@@ -32,7 +32,7 @@ def tiny_unet_config(family, sizes=SMALL) -> layout.UNetConfig:
 
 def write_checkpoint(path, family, sizes=SMALL, seed=0, dtype=torch.float32):
     """A single-file LDM checkpoint: the tiny UNet and the family's text encoders, random."""
-    return rc.write(path, family, tiny_unet_config(family, sizes), sizes, dtype=dtype, seed=seed)
+    return rc.write(path, family, tiny_unet_config(family, sizes), sizes, dtype=dtype, seed=seed, vae=None)
 
 
 def encoder_state(path, entry) -> dict:

@@ -2,8 +2,9 @@
 
 A checkpoint holds the UNet (``model.diffusion_model.``, shapes from sdslim's published configs) and the family's
 text encoders in the layouts real checkpoints use: CLIP-L in transformers naming, OpenCLIP ViT-H / bigG in OpenCLIP
-naming. Values are deterministic per key (seeded by the key's name): matrices ~ N(0, 1/fan_in), norm scales ~ 1,
-biases small, so activations stay in a sane range. No VAE. Nothing is downloaded.
+naming, and (unless ``--no-vae``) the SD/SDXL VAE in LDM naming (``first_stage_model.``). Values are deterministic
+per key (seeded by the key's name): matrices ~ N(0, 1/fan_in), norm scales ~ 1, biases small, so activations stay
+in a sane range. Nothing is downloaded.
 
     python tools/random_checkpoint.py --family sdxl --out /tmp/sdxl_random.safetensors [--dtype float16]
 """
@@ -27,6 +28,7 @@ from sdslim_core.layout.text_encoders import FAMILY_TEXT_ENCODERS  # noqa: E402
 FULL = {"clip_l": (768, 12, 3072, 768), "clip_h": (1024, 24, 4096, 1024), "clip_g": (1280, 32, 5120, 1280)}
 SMALL = {"clip_l": (128, 3, 256, 96), "clip_h": (128, 3, 256, 96), "clip_g": (192, 3, 384, 160)}
 VOCAB, POSITIONS = 49408, 77
+VAE_WIDTHS = (128, 256, 512, 512)                            # SD1.x / SD2 / SDXL VAE: 83.7 M parameters
 
 
 def clip_hf_shapes(width, layers, mlp, proj, projection=True) -> dict:
@@ -75,6 +77,18 @@ def text_encoder_shapes(family: str, sizes=FULL) -> dict:
     return out
 
 
+def vae_shapes(widths=VAE_WIDTHS) -> dict:
+    """LDM ``first_stage_model.`` keys → shapes of an SD VAE with block ``widths`` (diffusers' ``AutoencoderKL``
+    built on the meta device, renamed as LDM checkpoints name it)."""
+    from diffusers import AutoencoderKL
+    from sdslim_core.tiny import vae_to_ldm
+    with torch.device("meta"):
+        vae = AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * len(widths),
+                            up_block_types=["UpDecoderBlock2D"] * len(widths), block_out_channels=list(widths),
+                            layers_per_block=2, latent_channels=4)
+    return {"first_stage_model." + k: tuple(v.shape) for k, v in vae_to_ldm(vae.state_dict(), len(widths)).items()}
+
+
 def _is_scale(key: str) -> bool:
     norms = ("norm", "ln_", "in_layers.0", "out_layers.0", "out.0", "layer_norm")
     return key.endswith("weight") and any(n in key.rsplit(".", 2)[-2] for n in norms)
@@ -97,21 +111,24 @@ def value(key: str, shape: tuple, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=g) / math.sqrt(math.prod(shape[1:]))
 
 
-def checkpoint_shapes(family: str, unet_cfg: layout.UNetConfig | None = None, sizes=FULL) -> dict:
-    """Key → shape of a whole random checkpoint: the UNet of ``unet_cfg`` (default: the family's real one) and
-    the text encoders of ``sizes``."""
+def checkpoint_shapes(family: str, unet_cfg: layout.UNetConfig | None = None, sizes=FULL,
+                      vae=VAE_WIDTHS) -> dict:
+    """Key → shape of a whole random checkpoint: the UNet of ``unet_cfg`` (default: the family's real one), the
+    text encoders of ``sizes`` and a VAE of block widths ``vae`` (None: none)."""
     from sdslim_core.modules.unet import canonical_shapes
     cfg = unet_cfg or layout.config_for_arch(family)
     out = {layout.CHECKPOINT_PREFIX + k: tuple(v) for k, v in canonical_shapes(cfg).items()}
     out.update(text_encoder_shapes(family, sizes))
+    if vae:
+        out.update(vae_shapes(vae))
     return out
 
 
 def write(path, family: str, unet_cfg: layout.UNetConfig | None = None, sizes=FULL, dtype=torch.float16,
-          seed: int = 0):
+          seed: int = 0, vae=VAE_WIDTHS):
     """Write a random checkpoint (streamed: memory stays at one tensor)."""
     cfg = unet_cfg or layout.config_for_arch(family)
-    shapes = checkpoint_shapes(family, cfg, sizes)
+    shapes = checkpoint_shapes(family, cfg, sizes, vae)
     entries = [(k, dtype if s else torch.float32, s) for k, s in shapes.items()]
     meta = {layout.UNET_CONFIG_KEY: json.dumps(cfg.to_dict()), "sdslim.random_checkpoint": family}
     return write_safetensors_streaming(path, entries, lambda k: value(k, shapes[k], seed).to(
@@ -124,8 +141,10 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=("float16", "float32", "bfloat16"), default="float16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-vae", action="store_true", help="leave the VAE out")
     args = p.parse_args(argv)
-    path = write(args.out, args.family, dtype=getattr(torch, args.dtype), seed=args.seed)
+    path = write(args.out, args.family, dtype=getattr(torch, args.dtype), seed=args.seed,
+                 vae=None if args.no_vae else VAE_WIDTHS)
     print(f"wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB)")
 
 

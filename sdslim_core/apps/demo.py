@@ -132,7 +132,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     # 3. LoRA merge, fold, ControlNet -----------------------------------------------------------------------------
     t0 = time.perf_counter()
     merged, lora_report = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], cfg, fold_sites=aset)
-    cands = fidelity.Candidates(pipe.unet, cfg, weights, merged)
+    cands = fidelity.Candidates(cfg, weights, merged)
     slim = swap.slim_module(pipe.unet, aset, weights).eval()
     teacher_lora = cands.unet({**weights, **merged})
     slim_lora = swap.slim_module(teacher_lora, aset, {**weights, **merged}).eval()

@@ -25,11 +25,12 @@ unconditional (zeros context); the result says which. Infinite PSNR (identical o
 from __future__ import annotations
 
 import collections
+import collections.abc
 import json
 import math
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -61,6 +62,27 @@ def _mean(values):
 
 
 # --------------------------------------------------------------------------------------------- models
+
+class _FloatWeights(collections.abc.Mapping):
+    """A checkpoint's canonical UNet weights, read from the file as float32 on each access: the ladder's candidates
+    are built from it one at a time, with no resident float copy of the teacher beside them (full-size SDXL: 10 GB
+    each)."""
+
+    def __init__(self, lazy):
+        self._lazy = lazy
+
+    def shapes(self) -> dict:
+        return self._lazy.shapes()
+
+    def __getitem__(self, key):
+        return self._lazy[key].float()
+
+    def __iter__(self):
+        return iter(self._lazy)
+
+    def __len__(self):
+        return len(self._lazy)
+
 
 def _unet_fn(unet, cfg: layout.UNetConfig, cond):
     """``fn(x, t, context)`` for the sampler; SDXL gets each row's pooled text (the negative prompt's on the rows
@@ -244,11 +266,12 @@ def _ladder_row(label, r: dict, weights: dict, method, flops: float, teacher_par
 def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 20, method: str = "ddim",
              guidance: float | None = None, prompt: str | None = None, embeddings=None, png=None,
              latent_size: int | None = None, eps_points: int = 5, select: float = 1.0, device: str = "cpu",
-             compare: Sequence[str] = (), negative: str = "", text_options: dict | None = None) -> dict:
+             compare: Sequence[str] = (), negative: str = "", text_options: dict | None = None,
+             progress: Callable[[str], None] | None = None) -> dict:
     """Compare the teacher (``ckpt``) with its slim form (``adapters`` folded), with ``loras`` for the LoRA-effect
     cosine, and with each ``compare`` alternative (:data:`COMPARE`) in the ladder; returns a dict. ``prompt`` and
     ``negative`` are encoded by the checkpoint's own text encoders (``text_options``: ``tokenizer``,
-    ``clip_skip`` of :class:`~sdslim_core.text.conditioning.PromptEncoder`)."""
+    ``clip_skip`` of :class:`~sdslim_core.text.conditioning.PromptEncoder`); ``progress(message)`` hears each phase."""
     if seeds < 1:
         raise ValueError("--seeds must be at least 1")
     unknown = sorted(set(compare) - set(COMPARE))
@@ -260,13 +283,16 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
     aset = adapters if isinstance(adapters, AdapterSet) else AdapterSet.load(adapters)
     if select < 1.0:
         aset = aset.select(select)
-    weights = {k: v.detach().float() for k, v in layout.to_canonical(setup.teacher.state_dict())[0].items()}
-    aset.check_model({k: tuple(v.shape) for k, v in weights.items()}, family=cfg.family)
+    weights = _FloatWeights(setup.checkpoint.weights)
+    shapes = weights.shapes()
+    aset.check_model(shapes, family=cfg.family)
     report = None
     merged = {}
     if loras:
         merged, report = merge_loras(weights, list(loras), cfg, fold_sites=aset)
-    cands = Candidates(setup.teacher, cfg, weights, merged)
+    cands = Candidates(cfg, weights, merged)
+    teacher = setup.teacher
+    del setup.teacher                                     # freed after the reference: one UNet resident at a time
 
     def fn_of(unet):
         return _unet_fn(unet, cfg, setup.cond)
@@ -274,26 +300,33 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
                                    generator=torch.Generator().manual_seed(s)) for s in range(seeds)]).to(device)
     context = setup.context.expand(seeds, -1, -1)
     uncond = None if setup.uncond is None else setup.uncond.expand(seeds, -1, -1)
-    f_teacher = fn_of(setup.teacher)
-    rms = skip_rms(setup.teacher, lambda: f_teacher(noise, torch.full((seeds,), 500.0, device=device), context))
+    f_teacher = fn_of(teacher)
+    rms = skip_rms(teacher, lambda: f_teacher(noise, torch.full((seeds,), 500.0, device=device), context))
     control_gen = torch.Generator().manual_seed(1234)
 
     def control(x, t, ctx):
         return smooth_residuals(rms, x.shape[0], control_gen, x.device, x.dtype)
     probe = Probe(fn_of=fn_of, context=context, uncond=uncond, noise=noise, schedule=setup.schedule, steps=steps,
                   method=method, guidance=setup.guidance, decode=setup.decode, control=control, eps_points=eps_points)
-    teacher_lora = cands.unet({**weights, **merged}).to(device) if loras else None
-    ref = reference(probe, setup.teacher, teacher_lora)
+    teacher_lora = None
+    if loras:                                             # shares the teacher's unchanged tensors
+        teacher_lora = cands.unet({**layout.to_canonical(teacher.state_dict())[0], **merged}).to(device)
+    say = progress or (lambda message: None)
+    say(f"teacher: {seeds} sample(s) of {steps} steps at {setup.latent_size}² latents"
+        + (", with and without the LoRAs" if loras else ""))
+    ref = reference(probe, teacher, teacher_lora)
     flop_args = ref.inputs[0]
     teacher_flops = forward_flops(f_teacher, *flop_args)
+    del teacher, teacher_lora, f_teacher
 
     def flops_ratio(model):
         return forward_flops(fn_of(model), *flop_args) / teacher_flops
 
-    teacher_params = sum(v.numel() for v in weights.values())
+    teacher_params = sum(math.prod(s) for s in shapes.values())
     rows, slim_r = [], None
     todo = [("slim", None)] + [(c, c) for c in compare]
-    for label, what in todo:
+    for i, (label, what) in enumerate(todo):
+        say(f"row {i + 1}/{len(todo)}: {label}")
         if what is None or what.startswith("slim+"):
             storage = what.removeprefix("slim+") if what else None
             model, model_lora, w = cands.slim(aset, storage)
@@ -306,6 +339,7 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
         rows.append(_ladder_row(label, r, w, storage, flops_ratio(model), teacher_params))
         if what is None:
             slim_r, slim_params = r, sum(p.numel() for p in model.parameters())
+        del model, model_lora, w                          # before the next candidate is built
     d = slim_r["detail"]
     by_t: dict = collections.defaultdict(list)
     cos_t: dict = collections.defaultdict(list)

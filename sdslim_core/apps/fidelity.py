@@ -16,9 +16,10 @@ own trajectories visit; :func:`compare` runs a candidate on exactly those and re
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -203,7 +204,7 @@ def compare(probe: Probe, ref: Reference, candidate: nn.Module, candidate_lora: 
 # ------------------------------------------------------------------------------------------ candidates
 
 class Candidates:
-    """Builds what a user can run instead of ``teacher`` — slim, weight-quantised, or both — each with and without
+    """Builds what a user can run instead of the teacher — slim, weight-quantised, or both — each with and without
     the same LoRA, the way the hosts apply it:
 
     - slim: the LoRA is merged into the full weights, then folded (:mod:`sdslim_core.ops.lora`, :mod:`fold`);
@@ -213,69 +214,77 @@ class Candidates:
     - slim + a storage format: the slim weights (merged and folded for the LoRA) stored as that format stores
       them (for GGUF: the slim-space LoRA delta on the dequantised slim weights).
 
-    ``weights`` are the teacher's canonical float weights; ``lora_delta`` the canonical keys a LoRA changes (with
-    their merged values), e.g. from :func:`sdslim_core.ops.lora.merge_loras`.
+    ``weights`` are the teacher's canonical float weights: a dict, or a mapping that reads each tensor on access
+    (then a candidate is the only full copy in memory while it is built); ``lora_delta`` the canonical keys a LoRA
+    changes, with their merged values, e.g. from :func:`sdslim_core.ops.lora.merge_loras`. A model with the LoRA
+    shares its unchanged tensors with the model without it.
     """
 
-    def __init__(self, teacher: nn.Module, cfg, weights: dict, lora_delta: dict | None = None):
-        self.teacher, self.cfg, self.weights = teacher, cfg, weights
+    def __init__(self, cfg, weights: Mapping, lora_delta: dict | None = None):
+        self.cfg, self.weights = cfg, weights
         self.lora_delta = lora_delta or {}
 
-    def unet(self, weights: dict, norm_groups: dict | None = None) -> nn.Module:
+    def unet(self, weights: Mapping, norm_groups: dict | None = None) -> nn.Module:
         return load_diffusers_unet(weights, self.cfg, norm_groups=norm_groups).eval()
 
-    def _with_lora(self) -> dict:
-        return {**self.weights, **self.lora_delta}
+    def _base_and_lora(self, aset) -> tuple[Mapping, dict | None]:
+        """The teacher's weights (``aset`` None) or its slim form's, unread where unchanged, and the keys the LoRA
+        changes in that space (merged, and folded at the sites whose layers it changes)."""
+        if aset is None:
+            return self.weights, dict(self.lora_delta) or None
+        base = collections.ChainMap(fold.fold_state_dict(self.weights, aset), self.weights)
+        if not self.lora_delta:
+            return base, None
+        touched = [s for s in aset.sites if any(k.startswith(s + ".") for k in self.lora_delta)]
+        merged = collections.ChainMap(self.lora_delta, self.weights)
+        return base, {**self.lora_delta, **fold.fold_state_dict(merged, aset, sites=touched)}
 
     @staticmethod
-    def _lora_added(stored: dict, base: dict, with_lora: dict) -> dict:
-        """``stored`` (``base`` as a format stores it) with the LoRA's full-precision delta ``with_lora − base``
-        added where it changes a weight: how GGUF loaders apply a LoRA (on the dequantised weights)."""
-        return {k: v + (with_lora[k] - base[k]) if with_lora[k] is not base[k] else v for k, v in stored.items()}
+    def _lora_added(stored: dict, base: Mapping, lora: dict) -> dict:
+        """``stored`` (``base`` as a format stores it) with the LoRA's full-precision delta ``lora − base`` added on
+        the keys it changes: how GGUF loaders apply a LoRA (on the dequantised weights)."""
+        return {**stored, **{k: stored[k] + (v - base[k]) for k, v in lora.items()}}
 
     @classmethod
-    def _stored(cls, base: dict, with_lora: dict | None, method: str | None) -> tuple[dict, dict | None]:
-        """``base`` and ``with_lora`` (the same keys, the LoRA merged) as ``method`` stores and runs them."""
-        stored = quant.round_trip(base, method) if method else base
-        if with_lora is None or method is None:
-            return stored, with_lora
+    def _stored(cls, base: Mapping, lora: dict | None, method: str | None) -> tuple[dict, dict | None]:
+        """``base`` as ``method`` stores it, and the same with the LoRA's changed keys ``lora`` as the hosts run
+        them."""
+        stored = quant.round_trip(base, method) if method else dict(base)
+        if lora is None:
+            return stored, None
+        if method is None:
+            return stored, {**stored, **lora}
         if method == "fp8":
-            return stored, quant.round_trip(with_lora, method)
-        return stored, cls._lora_added(stored, base, with_lora)
-
-    def quantised(self, method: str) -> tuple[nn.Module, nn.Module | None, dict]:
-        """(model, model + LoRA or None, its canonical weights) for a weight-storage ``method``."""
-        stored, lora = self._stored(self.weights, self._with_lora() if self.lora_delta else None, method)
-        return self.unet(stored), self.unet(lora) if lora is not None else None, stored
-
-    def _folded(self, aset, weights: dict) -> dict:
-        return {**weights, **fold.fold_state_dict(weights, aset)}
+            return stored, {**stored, **quant.round_trip(lora, method)}
+        return stored, cls._lora_added(stored, base, lora)
 
     @staticmethod
     def _groups(aset) -> dict | None:
         return {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"} if aset is not None else None
 
+    def _models(self, stored: dict, lora: dict | None, aset) -> tuple[nn.Module, nn.Module | None]:
+        groups = self._groups(aset)
+        return self.unet(stored, groups), self.unet(lora, groups) if lora is not None else None
+
+    def quantised(self, method: str) -> tuple[nn.Module, nn.Module | None, dict]:
+        """(model, model + LoRA or None, its canonical weights) for a weight-storage ``method``."""
+        stored, lora = self._stored(*self._base_and_lora(None), method)
+        return *self._models(stored, lora, None), stored
+
     def slim(self, aset, method: str | None = None) -> tuple[nn.Module, nn.Module | None, dict]:
         """(slim model, slim model + LoRA or None, its canonical weights), optionally stored with ``method``."""
-        stored, lora = self._stored(self._folded(aset, self.weights),
-                                    self._folded(aset, self._with_lora()) if self.lora_delta else None, method)
-        groups = self._groups(aset)
-        return self.unet(stored, groups), self.unet(lora, groups) if lora is not None else None, stored
+        stored, lora = self._stored(*self._base_and_lora(aset), method)
+        return *self._models(stored, lora, aset), stored
 
     def from_file(self, stored: dict, aset=None) -> tuple[nn.Module, nn.Module | None]:
         """(model, model + LoRA or None) of canonical weights read back from a file (e.g. a ``.gguf`` through the
         gguf package), of the teacher or (``aset``) of its slim form; the LoRA is added as GGUF loaders add it (its
         delta, in slim space for a slim model, on the dequantised weights)."""
-        base = self._folded(aset, self.weights) if aset is not None else self.weights
+        base, lora = self._base_and_lora(aset)
         if set(stored) != set(base):
             raise ValueError(f"the file's UNet has other keys than the {'slim ' if aset else ''}teacher's: "
                              f"{sorted(set(stored) ^ set(base))[:3]}")
-        lora = None
-        if self.lora_delta:
-            with_lora = self._folded(aset, self._with_lora()) if aset is not None else self._with_lora()
-            lora = self._lora_added(stored, base, with_lora)
-        groups = self._groups(aset)
-        return self.unet(stored, groups), self.unet(lora, groups) if lora is not None else None
+        return self._models(stored, self._lora_added(stored, base, lora) if lora else None, aset)
 
 
 def forward_flops(fn, *args, **kwargs) -> int:

@@ -16,7 +16,8 @@ def run(args) -> int:
                       text_options={"tokenizer": args.tokenizer, "clip_skip": args.clip_skip},
                       embeddings=args.embeddings, png=png,
                       latent_size=args.latent_size, select=args.select, device=args.device,
-                      compare=[] if args.compare in ("", "none") else args.compare.split(","))
+                      compare=[] if args.compare in ("", "none") else args.compare.split(","),
+                      progress=lambda message: print(f"eval: {message}", file=sys.stderr, flush=True))
     if args.json:
         print(dumps(result))
     else:

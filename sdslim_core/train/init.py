@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from typing import TYPE_CHECKING, Mapping
 
@@ -426,7 +427,7 @@ def site_init(session: "Session", store: "ActivationStore", site: str) -> SiteIn
 
 def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tuple[adapters.AdapterSet, list, dict]:
     """The initialisation phase: each site's best method at its rank (``init/site-<index>.safetensors`` as it
-    goes, ``init.safetensors`` at the end); returns (adapters, the per-site table, {site: chosen error})."""
+    goes, then ``init.safetensors`` in their place); returns (adapters, the per-site table, {site: chosen error})."""
     init_file = session.work_dir / "init.safetensors"
     if session.resume and init_file.exists():
         aset = session.ordered(adapters.AdapterSet.load(init_file))
@@ -470,6 +471,8 @@ def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tup
     if session.topo.main:
         aset.save(init_file)
     session.topo.barrier()
+    if session.topo.main:                                 # init.safetensors holds them all now
+        shutil.rmtree(session.work_dir / "init", ignore_errors=True)
     return aset, table, errs
 
 

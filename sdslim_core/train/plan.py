@@ -28,7 +28,9 @@ from ..layout import rank_policy
 from ..modules import swap
 from .calibration import _store_dtype, unet_call
 from .fit import eval_interval
+from .ranks import adapter_param_count
 from .sites import build_student, call_site, make_site_adapter
+from .stage2 import largest_group, resolve_groups
 
 if TYPE_CHECKING:
     from .session import Session
@@ -135,8 +137,9 @@ def _curve_measurements(session: "Session") -> tuple[int, int]:
 
 def work_folder_bytes(session: "Session", bank: Inputs) -> int:
     """Bytes the work folder will hold at its largest: the input bank, the captured activations (per-site token
-    counts from the warm-up's shapes), the per-site init/stage files and the optimizer checkpoints (adapters at
-    uniform ``ratio``; an allocation that leaves sites at full width stores less)."""
+    counts from the warm-up's shapes), the init, stage-1 and stage-2 adapter files and the optimizer checkpoints of
+    the largest stage-2 group (adapters at uniform ``ratio``; an allocation that leaves sites at full width stores
+    less)."""
     tc, cfg = session.tc, session.cfg
     dt = _store_dtype(tc.calib_dtype, session.teacher_dtype).itemsize
     latent = cfg.in_channels * session.latent_size ** 2
@@ -151,10 +154,14 @@ def work_folder_bytes(session: "Session", bank: Inputs) -> int:
         else:
             out += min(tc.res_maps, bank.n) * (s.in_dim * tokens.get(s.name, session.latent_size ** 2) + s.emb_dim) * dt
     ranks = rank_policy.ranks_for_ratio(session.site_list, tc.ratio or 0.5)
-    adapter = 4 * sum(3 * r * s.width if s.kind == "ff" else 2 * r * s.width + 2 * r
-                      for s in session.site_list for r in [ranks.get(s.name, 0)])
-    out += adapter * 5                                        # init/, init, stage1/, stage1, stage2/
-    out += adapter * 4 * tc.keep_checkpoints                  # adapter, best, two AdamW moments per checkpoint
+    n_groups = resolve_groups(session, ranks)
+    group = set(largest_group(session, ranks, n_groups))
+    adapter = 4 * adapter_param_count(session.site_list, ranks)
+    out += adapter * 3                                        # init, stage1 and stage2/ (the per-site files go)
+    # stage 2 checkpoints every `checkpoint_every` steps and at each group's end, the newest `keep_checkpoints`
+    # kept, each one group's adapters, best adapters and two AdamW moments (a stage-1 one holds one site)
+    kept = min(tc.keep_checkpoints, tc.stage2_steps // tc.checkpoint_every + n_groups) if tc.stage2_steps else 0
+    out += 4 * 4 * adapter_param_count([s for s in session.site_list if s.name in group], ranks) * kept
     return int(out)
 
 
@@ -263,7 +270,6 @@ def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: di
     """(seconds of one stage-2 step, {site: seconds of one stage-1 step}) at ``ranks``. The stage-2 step trains
     the largest of the groups stage 2 will train in (every site when it trains them at once), with the run's
     gradient checkpointing, so that the warm-up needs no more memory than the run."""
-    from .stage2 import largest_group, resolve_groups
     n_groups = resolve_groups(session, ranks)
     group = largest_group(session, ranks, n_groups)
     teacher = session.placement.on_device()

@@ -8,6 +8,7 @@ its own module taking the run's :class:`~.session.Session`; :func:`execute` call
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from typing import Callable, NamedTuple
 
@@ -55,6 +56,8 @@ def _stage1(session: Session, store, aset_init: AdapterSet, err_init: dict, bank
     if session.topo.main:
         aset_s1.save(stage1_file)
     session.topo.barrier()
+    if session.topo.main:                                 # stage1.safetensors holds every site's result now
+        shutil.rmtree(session.work_dir / "stage1", ignore_errors=True)
     return aset_s1, err_s1, unet_err
 
 

@@ -241,7 +241,7 @@ def test_loras_after_load_slim_gguf_equal_loras_before_it_within_the_formats_err
     pipe = tiny.load_tiny_pipeline()
     weights = {k: v.float() for k, v in pipe.checkpoint.weights.items()}
     merged, _ = lora.merge_loras(weights, [(tiny.LORA_PATH, 1.0)], pipe.checkpoint.config)
-    cands = Candidates(pipe.unet, pipe.checkpoint.config, weights, merged)
+    cands = Candidates(pipe.checkpoint.config, weights, merged)
     cosines = {}
     for q in ("Q8_0", "Q4_0"):
         (model,) = _node(comfy, LOADER).execute(unet_name=f"slim-{q}.gguf").args

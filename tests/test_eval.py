@@ -95,13 +95,12 @@ def test_cli_json_is_one_strict_object(weights, tmp_path, capsys):
 def test_ladder_puts_the_alternatives_beside_the_slim_model(weights, tmp_path, monkeypatch):
     """The eval's ladder: identity slim is exact and full size; the alternatives are measured on the same seeds,
     each at its own storage size (Q4_0 < slim+fp8 ≤ fp8 < fp16 here) and Q8_0 closer to the teacher than Q4_0.
-    One candidate (with its LoRA twin) is alive at a time: full-size SDXL holds 10 GB per fp32 UNet."""
-    import gc
+    One candidate (with its LoRA twin) is alive at a time, freed as soon as it is dropped (no garbage collection
+    waited for): full-size SDXL holds 10 GB per fp32 UNet."""
     import weakref
     built, most_alive = [], []
 
     def tracked(*args, **kwargs):
-        gc.collect()
         most_alive.append(sum(ref() is not None for ref in built))
         model = load(*args, **kwargs)
         built.append(weakref.ref(model))

@@ -348,10 +348,10 @@ def run_slim(roots: Roots, ckpt: str, adapters: str, loras, select: float, out_f
 
 
 def run_compare(roots: Roots, ckpt: str, adapters: str, loras, seeds: int, steps: int, prompt: str = "",
-                embeddings: str = "", negative: str = ""):
+                embeddings: str = "", negative: str = "", progress: Callable[[str], None] | None = None):
     """``sdslim eval`` for the UI: (grid image as an array or None, markdown numbers, the CLI's text, the
-    ``--json`` object); ``prompt`` and ``negative`` go through the checkpoint's own text encoders. The PNG is
-    written to a temporary folder and read back."""
+    ``--json`` object); ``prompt`` and ``negative`` go through the checkpoint's own text encoders;
+    ``progress(message)`` hears each phase. The PNG is written to a temporary folder and read back."""
     from PIL import Image
 
     ckpt = roots.resolve(ckpt, "checkpoint")
@@ -362,7 +362,7 @@ def run_compare(roots: Roots, ckpt: str, adapters: str, loras, seeds: int, steps
         png = os.path.join(tmp, "compare.png")
         result = evaluate(ckpt, adapters, loras, seeds=int(seeds), steps=int(steps),
                           prompt=(prompt or "").strip() or None, negative=negative or "", embeddings=emb,
-                          png=png)
+                          png=png, progress=progress)
         image = np.asarray(Image.open(png).convert("RGB")) if os.path.exists(png) else None
     if result.get("image"):
         result["image"].pop("png", None)

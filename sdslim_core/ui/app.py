@@ -285,11 +285,12 @@ def build_app(roots: Roots, planner: Planner | None = None):
         s_run.click(on_slim, [s_ckpt, s_adapters] + s_loras + [s_select, s_folder, s_name],
                     [s_status, s_log, s_json]).then(on_rescan, outputs=pickers)
 
-        def on_compare(ckpt, adapters, *rest):
+        def on_compare(ckpt, adapters, *rest, progress=gr.Progress()):
             loras, (seeds, steps, prompt, negative, emb) = pairs(rest[:2 * MAX_LORAS]), rest[2 * MAX_LORAS:]
             try:
                 image, table, text, result = actions.run_compare(roots, ckpt, adapters, loras, seeds, steps,
-                                                                 prompt, emb, negative)
+                                                                 prompt, emb, negative,
+                                                                 lambda message: progress(None, desc=message))
             except Exception as err:  # noqa: BLE001
                 return _error(actions.user_error("eval", err)), None, "", None
             return text.replace("\n", "  \n"), image, table, result

@@ -130,7 +130,7 @@ def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only:
                        "stage1_step": timing.get("stage1_s_per_step"), "stage2_step": timing.get("stage2_s_per_step")},
         "work_bytes": _folder_bytes(session.work_dir), "predicted": short_plan.to_dict(), "rss_peak_gib": _rss_peak_gib()}
     save()
-    del session, result         # the teacher: the eval below holds the teacher and the slim UNet (SDXL: 2 × 10 GB)
+    del session, result         # the session's teacher: the eval below loads its own (SDXL: 10 GB in fp32)
     # (4) the rest of the path: slim the checkpoint with these adapters, compare teacher and slim with a prompt
     adapters = out / f"{family}_short.safetensors"
     t0 = time.perf_counter()
@@ -139,7 +139,8 @@ def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only:
     t0 = time.perf_counter()
     ev = evaluate(path, adapters, seeds=1, steps=2, prompt=PROMPTS[0], negative="blurry, low quality", compare=(),
                   latent_size=short_latent)
-    row["slim_eval"] = {"latent_size": ev.get("latent_size", short_latent), "slim_s": slim_s, "eval_s": time.perf_counter() - t0, "conditioning": ev["conditioning"],
+    row["slim_eval"] = {"latent_size": ev["sampler"]["latent_size"], "slim_s": slim_s,
+                        "eval_s": time.perf_counter() - t0, "conditioning": ev["conditioning"],
                         "eps_rel_error": ev["eps_rel_error"]["overall"], "latent_psnr_db": ev["latent_psnr_db"]["mean"],
                         "params": ev["params"]}
     save()

@@ -178,12 +178,8 @@ def resolve_groups(session, ranks: dict) -> int:
     else:
         total = physical_memory()
         margin = max(1.5 * 2 ** 30, total / 4)
-    g = auto_groups(teacher, adapter_param_count(session.site_list, ranks), session.optimizer_name, total, len(ranks),
-                    margin)
-    if g == len(ranks) and g > 1:
-        session.say(f"stage 2: the teacher nearly fills this {'GPU' if device.type == 'cuda' else 'RAM'}; "
-                    "training one site at a time")
-    return g
+    return auto_groups(teacher, adapter_param_count(session.site_list, ranks), session.optimizer_name, total,
+                       len(ranks), margin)
 
 
 def phase_steps(total: int, n_groups: int) -> list[int]:
@@ -294,6 +290,9 @@ def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int,
     tc = session.tc
     sizes = {s: sum(v.numel() for v in t.values()) for s, t in aset.sites.items()}
     groups = split_groups(session.site_order, sizes, n_groups)
+    if tc.stage2_groups == "auto" and len(groups) == len(sizes) > 1:
+        session.say(f"stage 2: the teacher nearly fills this {'GPU' if session.device.type == 'cuda' else 'RAM'}; "
+                    "training one site at a time")
     steps = phase_steps(tc.stage2_steps, len(groups))
     offsets = [sum(steps[:g]) for g in range(len(groups))]
     current = {s: dict(t) for s, t in aset.sites.items()}

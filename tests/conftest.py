@@ -20,6 +20,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def adapter_lookup_env(tmp_path_factory):
+    """Adapter files are looked up only where the tests put them: no user config, search path or hash index (set
+    for the session, before any module fixture writes a slim file; a test wanting a fresh index sets its own)."""
+    home = tmp_path_factory.mktemp("sdslim-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDSLIM_CACHE_DIR", str(home / "cache"))
+        mp.setenv("SDSLIM_CONFIG", str(home / "config.json"))
+        mp.delenv("SDSLIM_ADAPTER_PATH", raising=False)
+        yield
+
+
 from sdslim_core import layout  # noqa: E402
 
 

@@ -3,6 +3,7 @@ and each block format's error bound computed here in float64), metadata, atomic 
 `sdslim slim --format gguf` end to end on the shipped tiny teacher (against the in-memory fold, a second code
 path)."""
 import json
+import math
 import os
 import sys
 
@@ -186,13 +187,27 @@ def test_slim_to_gguf_is_the_in_memory_fold_quantised_once(teacher, tmp_path, ca
     assert meta[layout.UNET_CONFIG_KEY] == json.loads(json.dumps(cfg.to_dict()))
     assert meta["sdslim.norm_groups"] == {s: aset.groups(s) for s in aset.sites if aset.kind(s) == "res"}
     assert meta["sdslim.adapters"]["sha256"] == sha256_file(HALF)
-    # the embedded adapters are the adapter file's tensors, exactly (F32 as in the file), read back per site
+    # no adapter tensors: a later LoRA finds the adapter file by its sha256 (here: the hash index knows it)
+    assert not [k for k in f if k.startswith("sdslim.")] and meta["sdslim.adapters"]["embedded"] is None
     emb, read = io_gguf.slim_adapters(out)
-    assert emb.ranks() == aset.ranks()
+    assert emb.ranks() == aset.ranks() and emb.source == str(HALF)
+    assert all(torch.equal(read(s)[n], t) for s, tensors in aset.sites.items() for n, t in tensors.items())
+    # --embed-adapters: Q8_0 by the UNet's rules (small and 1-D tensors F32), read back dequantised
+    emb_out = tmp_path / "slim-Q4_0-embedded.gguf"
+    assert run(capsys, "slim", "--ckpt", tiny.DEFAULT_PATH, "--adapters", HALF, "--format", "gguf", "--quant", "Q4_0",
+               "--embed-adapters", "--out", emb_out)[0] == 0
+    fe = io_gguf.GGUFFile(emb_out)
+    emb, read = io_gguf.slim_adapters(emb_out)
+    assert emb.ranks() == aset.ranks() and "embedded" in emb.source
     for site, tensors in aset.sites.items():
         back = read(site)
-        assert all(torch.equal(back[n], t) and f.types[f"sdslim.adapters.{site}.{n}"] == "F32"
-                   for n, t in tensors.items()), site
+        for n, t in tensors.items():
+            p = io_gguf.plan(n, t.shape, io_gguf.ADAPTER_TYPE)
+            assert fe.types[f"sdslim.adapters.{site}.{n}"] == p.qtype and torch.equal(
+                back[n], io_gguf.round_trip(t.float(), io_gguf.ADAPTER_TYPE)), (site, n)
+    assert {fe.types[k] for k in fe if k.startswith("sdslim.") and len(fe.entries[k][1]) == 2
+            and math.prod(fe.entries[k][1]) > io_gguf.SMALL} == {"Q8_0"}
+    assert all(torch.equal(fe[k], f[k]) for k in f)                         # the UNet tensors are the same
     assert not [k for k in f if k.startswith(("cond_stage_model", "first_stage_model", "model.diffusion_model"))]
     # sdslim's own loader: the same weights in a runnable UNet
     from sdslim_core.modules.unet import load_gguf_unet
@@ -210,9 +225,10 @@ def test_full_size_and_slim_checkpoint_conversions(teacher, tmp_path, capsys):
     assert "sdslim.slim" not in meta and meta["sdslim.family"] == "sd15"
     assert all(torch.equal(got[k], io_gguf.round_trip(v, "Q8_0")) for k, v in weights.items())
     assert not io_gguf.is_slim_gguf(full)
-    # an existing slim checkpoint (fp16 here) → GGUF: its stored weights quantised, its adapters carried
+    # an existing slim checkpoint (fp16 here) → GGUF: its stored weights quantised, its embedded adapters carried
+    # as Q8_0 (and the record says so)
     slim_st = tmp_path / "slim.safetensors"
-    core_slim.slim_checkpoint(tiny.DEFAULT_PATH, HALF, slim_st)
+    core_slim.slim_checkpoint(tiny.DEFAULT_PATH, HALF, slim_st, embed_adapters=True)
     out = tmp_path / "slim-Q5_1.gguf"
     rc, _, _ = run(capsys, "slim", "--ckpt", slim_st, "--format", "gguf", "--quant", "Q5_1", "--out", out)
     assert rc == 0 and io_gguf.is_slim_gguf(out)
@@ -221,6 +237,10 @@ def test_full_size_and_slim_checkpoint_conversions(teacher, tmp_path, capsys):
     for k, v in got.items():
         assert torch.equal(v, io_gguf.round_trip(src["model.diffusion_model." + k].float(), "Q5_1")), k
     assert meta["sdslim.ranks"] == aset.ranks() and io_gguf.slim_adapters(out)[0].ranks() == aset.ranks()
+    assert meta["sdslim.adapters"]["embedded"] == "Q8_0" and "embedded" in io_gguf.slim_adapters(out)[0].source
+    f = io_gguf.GGUFFile(out)
+    assert {f.types[k] for k in f if k.startswith("sdslim.") and len(f.entries[k][1]) == 2
+            and math.prod(f.entries[k][1]) > io_gguf.SMALL} == {"Q8_0"}
 
 
 def test_refusals_name_the_setting_and_write_nothing(tmp_path, capsys, monkeypatch):

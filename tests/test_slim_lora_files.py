@@ -1,5 +1,6 @@
-"""Slim checkpoints that carry their adapters: LoRAs applied to them in slim space (`sdslim slim --ckpt SLIM`), LoRAs
-rewritten for them (`sdslim lora convert`), and the host loaders' key filters on a real slim file."""
+"""LoRAs after slimming: applied to a slim checkpoint in slim space (`sdslim slim --ckpt SLIM`) with its adapter file
+found by sha256 (renamed, moved, missing, duplicated) or embedded compactly (`--embed-adapters`), LoRAs rewritten for
+it (`sdslim lora convert`), and the host loaders' key filters on a real slim file that embeds its adapters."""
 import json
 import math
 import os
@@ -50,7 +51,8 @@ def loha_file(w, seed=9):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A float64 SD1.5-layout checkpoint, its adapters, LoRAs, and the slim checkpoint (adapters embedded)."""
+    """A float64 SD1.5-layout checkpoint, its adapters, LoRAs, and slim checkpoints: the default (adapter file by
+    sha256) and one that embeds its adapters."""
     d = tmp_path_factory.mktemp("slimlora")
     w = canonical_weights(seed=3)
     write_ldm_checkpoint(d / "base.safetensors", w)
@@ -60,6 +62,8 @@ def files(tmp_path_factory):
     save_file_atomic(locon, d / "locon.safetensors")
     save_file_atomic(loha_file(w), d / "loha.safetensors")
     slim.slim_checkpoint(d / "base.safetensors", d / "adapters.safetensors", d / "slim.safetensors")
+    slim.slim_checkpoint(d / "base.safetensors", d / "adapters.safetensors", d / "slim_embedded.safetensors",
+                         embed_adapters=True)
     return d
 
 
@@ -86,39 +90,126 @@ def assert_same_unet(got, ref):
 
 # ----------------------------------------------------------------------------- `sdslim slim --ckpt SLIM`
 
-def test_loras_on_a_slim_checkpoint_equal_folding_them_in_and_need_no_adapter_file(files, tmp_path, capsys):
+def fresh_index(monkeypatch, tmp_path):
+    """Another machine: the hash index has never seen a file."""
+    monkeypatch.setenv("SDSLIM_CACHE_DIR", str(tmp_path / "fresh-cache"))
+
+
+def lora_effect_cosine(got, ref, before):
+    num = sum(float(((got[k] - before[k]).double() * (ref[k] - before[k]).double()).sum()) for k in ref)
+    den = math.sqrt(sum(float((got[k] - before[k]).double().pow(2).sum()) for k in ref) *
+                    sum(float((ref[k] - before[k]).double().pow(2).sum()) for k in ref))
+    return num / den
+
+
+def test_loras_on_a_slim_checkpoint_equal_folding_them_in_with_the_adapter_file_found_by_hash(files, tmp_path, capsys,
+                                                                                             monkeypatch):
     d = files
-    alone = tmp_path / "alone"                   # only the slim checkpoint and the LoRAs: no adapters, no original
+    fresh_index(monkeypatch, tmp_path)
+    alone = tmp_path / "alone"                   # the slim checkpoint, the LoRAs, the adapter file renamed
     alone.mkdir()
     for f in ("slim.safetensors", "kohya.safetensors", "locon.safetensors", "loha.safetensors"):
         os.link(d / f, alone / f)
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    os.link(d / "adapters.safetensors", shelf / "renamed.safetensors")
+    monkeypatch.setenv("SDSLIM_ADAPTER_PATH", str(shelf))
     rc, out, err = run(capsys, "slim", "--ckpt", alone / "slim.safetensors", "--lora",
                        f"{alone / 'kohya.safetensors'}:0.8", "--lora", f"{alone / 'locon.safetensors'}:-0.5",
                        "--out", tmp_path / "a.safetensors", "--json")
     assert rc == 0, err
     info = json.loads(out)
     # kohya: 2 FF layers low-rank, 2 attention layers unchanged; LoCon: conv1/conv2/emb low-rank, a skip conv unchanged
-    assert info["lora_forms"] == {"low-rank": 5, "unchanged": 3} and info["adapter_bytes"] > 0
+    assert info["lora_forms"] == {"low-rank": 5, "unchanged": 3} and info["adapter_bytes"] == 0
     got, tensors, meta = unet_tensors(tmp_path / "a.safetensors")
     ref = folded_with(d, tmp_path, [("kohya.safetensors", 0.8), ("locon.safetensors", -0.5)], "ref_a.safetensors")
     assert_same_unet(got, ref)
     base_tensors, base_meta = load_file(d / "slim.safetensors")
-    for k, v in base_tensors.items():            # VAE/text encoder and the embedded adapters copied through
+    for k, v in base_tensors.items():            # VAE/text encoder copied through
         if not k.startswith(PREFIX):
             assert torch.equal(tensors[k], v), k
     assert json.loads(meta["sdslim.loras"]) == [
         {"file": "kohya.safetensors", "strength": 0.8, "applied": "in slim space"},
         {"file": "locon.safetensors", "strength": -0.5, "applied": "in slim space"}]
-    assert meta["sdslim.ranks"] == base_meta["sdslim.ranks"]
+    assert meta["sdslim.ranks"] == base_meta["sdslim.ranks"] and meta["sdslim.adapters"] == base_meta["sdslim.adapters"]
 
-    # stacking: a LoHa applied to the LoRA-ed slim checkpoint = folding all three in; the norm2 part is lost
+    # stacking: a LoHa applied to the LoRA-ed slim checkpoint = folding all three in; the norm2 part is lost. The
+    # index remembers the renamed file: nothing is hashed again
+    from sdslim_core.io.adapter_lookup import HashIndex
+    assert shelf / "renamed.safetensors" in HashIndex().known(json.loads(meta["sdslim.adapters"])["sha256"])
+    calls = []
+    monkeypatch.setattr("sdslim_core.io.adapter_lookup.sha256_file", lambda p: calls.append(p))
     rc, out, err = run(capsys, "slim", "--ckpt", tmp_path / "a.safetensors", "--lora",
                        f"{alone / 'loha.safetensors'}:0.6", "--out", tmp_path / "b.safetensors")
-    assert rc == 0 and out == ""
+    assert rc == 0 and out == "" and calls == []
     assert "applied in slim space" in err and "norm2" in err and "lora_unet_input_blocks_1_0_out_layers_0" in err
     ref = folded_with(d, tmp_path, [("kohya.safetensors", 0.8), ("locon.safetensors", -0.5),
                                     ("loha.safetensors", 0.6)], "ref_b.safetensors")
     assert_same_unet(unet_tensors(tmp_path / "b.safetensors")[0], ref)
+
+
+def test_missing_clashing_and_duplicated_adapter_files(files, tmp_path, capsys, monkeypatch):
+    """Missing: one message naming the sha256 and recorded name, saying the LoRA can be merged before slimming, and
+    nothing written. A different file under the recorded name is not taken. Two copies: the first folder wins."""
+    d = files
+    fresh_index(monkeypatch, tmp_path)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    os.link(d / "slim.safetensors", alone / "slim.safetensors")
+    sha = json.loads(read_header(d / "slim.safetensors")[1]["sdslim.adapters"])["sha256"]
+    random_adapters(canonical_weights(seed=3), seed=5).save(alone / "adapters.safetensors")   # the name, not the file
+    rc, out, err = run(capsys, "slim", "--ckpt", alone / "slim.safetensors", "--lora", d / "kohya.safetensors",
+                       "--out", tmp_path / "x.safetensors")
+    assert rc == 2 and sha in err and "adapters.safetensors" in err and "merge the LoRA before slimming" in err
+    assert "has the recorded name but another sha256" in err and str(alone) in err
+    assert not (tmp_path / "x.safetensors").exists()
+    rc, _, err = run(capsys, "adapters", "find", alone / "slim.safetensors")
+    assert rc == 2 and sha in err
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        folder.mkdir()
+        os.link(d / "adapters.safetensors", folder / "copy.safetensors")
+    monkeypatch.setenv("SDSLIM_ADAPTER_PATH", os.pathsep.join([str(second), str(first)]))
+    rc, out, _ = run(capsys, "adapters", "find", alone / "slim.safetensors")
+    assert rc == 0 and out.strip() == str(second / "copy.safetensors")
+    rc, out, _ = run(capsys, "adapters", "find", alone / "slim.safetensors", "--folder", first)
+    assert rc == 0 and out.strip() == str(first / "copy.safetensors")
+    # the config file's adapter_paths, and --adapters FOLDER, are searched the same way
+    monkeypatch.delenv("SDSLIM_ADAPTER_PATH")
+    (tmp_path / "config.json").write_text(json.dumps({"adapter_paths": [str(first)]}))
+    monkeypatch.setenv("SDSLIM_CONFIG", str(tmp_path / "config.json"))
+    rc, _, err = run(capsys, "slim", "--ckpt", alone / "slim.safetensors", "--lora", d / "kohya.safetensors",
+                     "--out", tmp_path / "y.safetensors")
+    assert rc == 0, err
+    monkeypatch.setenv("SDSLIM_CONFIG", str(tmp_path / "none.json"))
+    fresh_index(monkeypatch, tmp_path / "again")
+    rc, _, err = run(capsys, "slim", "--ckpt", alone / "slim.safetensors", "--adapters", second, "--lora",
+                     d / "kohya.safetensors", "--out", tmp_path / "z.safetensors")
+    assert rc == 0, err
+    y, z = (unet_tensors(tmp_path / f"{n}.safetensors")[0] for n in "yz")
+    assert all(torch.equal(y[k], z[k]) for k in y)
+
+
+def test_embedded_compact_adapters_need_no_adapter_file(files, tmp_path, capsys, monkeypatch):
+    """`--embed-adapters`: the adapters ride in the file as fp16; LoRAs after it need no adapter file and keep the
+    LoRA's effect (cosine against folding the LoRA in with the float64 adapters ≥ 0.9999)."""
+    d = files
+    fresh_index(monkeypatch, tmp_path)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    os.link(d / "slim_embedded.safetensors", alone / "slim.safetensors")
+    entries, meta = read_header(alone / "slim.safetensors")
+    own = {k: v for k, v in entries.items() if k.startswith(slim_checkpoint.ADAPTER_PREFIX)}
+    assert own and {dt for dt, _ in own.values()} == {torch.float16}
+    assert json.loads(meta["sdslim.adapters"])["embedded"] == "fp16"
+    rc, out, err = run(capsys, "slim", "--ckpt", alone / "slim.safetensors", "--lora", f"{d / 'kohya.safetensors'}:0.8",
+                       "--lora", f"{d / 'locon.safetensors'}:-0.5", "--out", tmp_path / "e.safetensors", "--json")
+    assert rc == 0, err
+    got = unet_tensors(tmp_path / "e.safetensors")[0]
+    ref = folded_with(d, tmp_path, [("kohya.safetensors", 0.8), ("locon.safetensors", -0.5)], "ref_e.safetensors")
+    before = unet_tensors(alone / "slim.safetensors")[0]
+    assert lora_effect_cosine(got, ref, before) > 0.9999
+    assert max(rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0) < 1e-3     # fp16 adapters: not exact
 
 
 def test_slim_space_refusals_write_nothing(files, tmp_path):
@@ -139,12 +230,10 @@ def test_slim_space_refusals_write_nothing(files, tmp_path):
         slim.slim_checkpoint(d / "slim.safetensors", None, tmp_path / "o.safetensors", [(tmp_path / "nan.safetensors", 1.0)])
     with pytest.raises(slim.SlimError, match="is the input"):
         slim.slim_checkpoint(d / "slim.safetensors", None, d / "slim.safetensors", [(d / "kohya.safetensors", 1.0)])
-    # without embedded adapters: the adapter file is needed, and must be the one it was folded with
+    # the adapter file given explicitly must be the one it was folded with
     lean = tmp_path / "lean.safetensors"
-    result = slim.slim_checkpoint(d / "base.safetensors", d / "adapters.safetensors", lean, embed_adapters=False)
+    result = slim.slim_checkpoint(d / "base.safetensors", d / "adapters.safetensors", lean)
     assert result.adapter_bytes == 0 and not [k for k in read_header(lean)[0] if k.startswith("sdslim.")]
-    with pytest.raises(slim.SlimError, match="--adapters"):
-        slim.slim_checkpoint(lean, None, tmp_path / "o.safetensors", [(d / "kohya.safetensors", 1.0)])
     random_adapters(canonical_weights(seed=3), seed=5).save(tmp_path / "other.safetensors")
     with pytest.raises(slim.SlimError, match="sha256"):
         slim.slim_checkpoint(lean, tmp_path / "other.safetensors", tmp_path / "o.safetensors",
@@ -265,7 +354,7 @@ def test_embedded_adapters_are_ignored_by_comfyui_and_a1111_checkpoint_loaders(f
     """The key rules of the real loaders, reimplemented from their source (Comfy-Org/ComfyUI @ a125cd84, AUTOMATIC1111
     stable-diffusion-webui v1.10.1), applied to a real slim file: every UNet/VAE/text-encoder key lands where it did
     without adapters, and the adapter tensors land nowhere."""
-    entries, meta = read_header(files / "slim.safetensors")
+    entries, meta = read_header(files / "slim_embedded.safetensors")
     keys = list(entries)
     adapter_keys = {k for k in keys if k.startswith(slim_checkpoint.ADAPTER_PREFIX)}
     plain = set(keys) - adapter_keys
@@ -312,11 +401,11 @@ def test_embedded_adapters_are_ignored_by_comfyui_and_a1111_checkpoint_loaders(f
 
     # and sdslim's own readers see a normal slim checkpoint
     from sdslim_core.modules.unet import open_checkpoint
-    ckpt = open_checkpoint(files / "slim.safetensors")
+    ckpt = open_checkpoint(files / "slim_embedded.safetensors")
     assert set(ckpt.weights.file_keys.values()) == take(plain, PREFIX)
     assert set(ckpt.other_keys()) == (plain - take(plain, PREFIX)) | adapter_keys
     assert set(EXTRA) <= set(ckpt.other_keys())
-    loaded_unet, cfg, _ = unet_mod.load_slim_unet(files / "slim.safetensors")
+    loaded_unet, cfg, _ = unet_mod.load_slim_unet(files / "slim_embedded.safetensors")
     assert cfg == CFG and sum(p.numel() for p in loaded_unet.parameters()) == sum(
         math.prod(shape) for k, (_, shape) in entries.items() if k.startswith(PREFIX))
 

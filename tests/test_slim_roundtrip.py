@@ -1,5 +1,7 @@
 """`slim_checkpoint`: LoRA merge then exact fold, streamed to a file; loaders; refusals that write nothing."""
+import hashlib
 import json
+import math
 import os
 import types
 
@@ -150,12 +152,19 @@ def test_loader_matches_build_slim_module_exactly(setup):
 def test_file_layout_keys_dtypes_metadata_and_passthrough(setup):
     entries, meta = read_header(setup["out"])
     src, _ = read_header(setup["ckpt"])
-    own = {k for k in entries if k.startswith(slim_checkpoint.ADAPTER_PREFIX)}
-    assert set(entries) - own == set(src)                              # same key names, plus the adapters
+    assert set(entries) == set(src)                                    # same key names, no adapter tensors
     assert all(entries[k][0] == src[k][0] for k in src)                # same dtypes
-    aset = setup["aset"]
-    assert own == {slim_checkpoint.ADAPTER_PREFIX + k for k in aset.state_dict()} and meta[slim_checkpoint.ADAPTER_KEY] == slim_checkpoint.ADAPTER_PREFIX
-    assert setup["result"].adapter_bytes == sum(v.numel() * v.element_size() for v in aset.state_dict().values())
+    origin = json.loads(meta["sdslim.adapters"])
+    assert slim_checkpoint.ADAPTER_KEY not in meta and origin["embedded"] is None
+    assert origin["file"] == "adapters.safetensors" and \
+        origin["sha256"] == hashlib.sha256((setup["dir"] / "adapters.safetensors").read_bytes()).hexdigest()
+    r = setup["result"]
+    assert r.file.total == os.path.getsize(setup["out"]) == sum(r.file.parts.values())     # sizes from disk
+    assert r.adapter_bytes == 0 and r.source.total == os.path.getsize(setup["ckpt"])
+    unet_bytes = sum(math.prod(s) * d.itemsize for k, (d, s) in entries.items() if k.startswith(PREFIX))
+    assert r.file.parts["unet"] == unet_bytes and r.file.parts["vae"] == EXTRA[
+        "first_stage_model.decoder.conv_out.weight"].nbytes
+    assert r.embed_bytes == sum(v.numel() * 2 for v in setup["aset"].state_dict().values())     # as fp16
     tensors, _ = load_file(setup["out"])
     for k, v in EXTRA.items():                                         # copied through unchanged
         assert torch.equal(tensors[k], v) and tensors[k].dtype == v.dtype
@@ -164,7 +173,6 @@ def test_file_layout_keys_dtypes_metadata_and_passthrough(setup):
     assert entries[PREFIX + site + ".net.0.proj.weight"][1] == (2 * ranks[site], 32)
     assert meta["note"] == "tiny test model" and meta["sdslim.slim"] == "1"
     assert json.loads(meta["sdslim.norm_groups"]).keys() == {s for s in ranks if "ff" not in s}
-    r = setup["result"]
     assert r.unet_params_after < r.unet_params_before and r.sites == len(ranks)
     assert r.merge.ignored_text_encoder == ["%s:lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"
                                             % (setup["dir"] / "kohya.safetensors")]

@@ -24,14 +24,17 @@ import torch
 
 from .. import layout
 from ..io import gguf
+from ..io.adapter_lookup import HashIndex
 from ..io.adapters import AdapterSet
 from ..io.files import sha256_file
 from ..io.lora_files import MergeReport
+from ..io.sizes import FileSize, file_size
 from ..io.slim_checkpoint import (ADAPTER_KEY, ADAPTER_PREFIX, SlimError, is_slim_checkpoint, read_slim, site_reader,
                                   slim_adapters, slim_metadata)
 from ..io.tensors import LazyStateDict, StreamReader, write_safetensors_streaming
 from ..modules.unet import canonical_shapes, open_checkpoint
-from ..ops import fold
+from ..ops import fingerprint, fold
+from ..ops.fingerprint import Distance
 from ..ops.lora import LoraMerger, apply_deltas
 from ..ops.lora_slim import SlimSpace
 
@@ -51,30 +54,71 @@ def _streamed_adapters(adapters, select: float):
 
 @dataclasses.dataclass
 class SlimResult:
+    """What ``sdslim slim`` did. Sizes are those of the files on disk, by part (:mod:`~sdslim_core.io.sizes`)."""
     out: Path
     family: str
     sites: int
     unet_params_before: int
     unet_params_after: int
-    file_bytes: int
+    file: FileSize                         # the written file
+    source: FileSize | None                # the input file (None for an in-memory input)
     seconds: float
     merge: MergeReport
     warnings: list
-    adapter_bytes: int = 0                 # adapter tensors embedded in the output
     lora_forms: dict = dataclasses.field(default_factory=dict)   # slim-space application: form → module count
     gguf_type: str | None = None           # a GGUF output: the type of its large UNet tensors
+    distance: Distance | None = None       # how far the folded weights are from the adapters' base
+    adapters_sha256: str | None = None     # the adapter file a later LoRA needs (found by this hash)
+    embed_bytes: int = 0                   # the bytes the folded sites' adapters take (or would take) in the file
+    notes: list = dataclasses.field(default_factory=list)       # what the user may want to know (not a problem)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.file.total
+
+    @property
+    def adapter_bytes(self) -> int:
+        return self.file.parts["adapters"]
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["out"] = str(self.out)
-        d["ratio"] = self.unet_params_after / self.unet_params_before
+        d.update(out=str(self.out), ratio=self.unet_params_after / self.unet_params_before,
+                 file_bytes=self.file_bytes, adapter_bytes=self.adapter_bytes)
         return d
 
 
-def site_keys(site: str, kind: str, shapes: Mapping) -> list[str]:
-    """The canonical keys a site's fold rewrites (those present in ``shapes``)."""
-    return [k for k in (f"{module}.{p}" for module in fold.layer_roles(site, kind) for p in ("weight", "bias"))
-            if k in shapes]
+def _distance_meter(aset: AdapterSet, notes: list) -> fingerprint.DistanceMeter | None:
+    """A meter of how far the weights folded are from ``aset``'s base, or None (``notes`` says why) when the adapter
+    file carries no base fingerprint."""
+    if not aset.sites:
+        return None
+    try:
+        return fingerprint.DistanceMeter(aset.metadata.get("sdslim.base") or {})
+    except fingerprint.FingerprintError as err:
+        notes.append(f"{aset.source}: {err}; how far this checkpoint is from the adapters' base is not known "
+                     "(`sdslim adapters fingerprint` adds one from the base checkpoint)")
+        return None
+
+
+def _warn_distance(result: "SlimResult") -> None:
+    d = result.distance
+    if d is not None and d.overall > fingerprint.WARN_DISTANCE:
+        worst = ", ".join(f"{s} {v:.0%}" for s, v in d.worst())
+        result.warnings.append(
+            f"this checkpoint's folded weights are {d.overall:.0%} from the adapters' base (largest: {worst}); past "
+            f"{fingerprint.WARN_DISTANCE:.0%} base adapters keep measurably less of a derivative than adapters "
+            "refitted on it: `sdslim train --ckpt THIS --from ADAPTERS` (bench/RESULTS.md, Derivatives)")
+
+
+def _embed_bytes(aset: AdapterSet, weight_dtype, quant: str | None) -> int:
+    """Bytes of the folded sites' adapter tensors as ``--embed-adapters`` stores them."""
+    total = 0
+    for tensors in aset.sites.values():
+        for v in tensors.values():
+            shape = tuple(v.shape)
+            total += gguf.tensor_bytes(shape, gguf.ADAPTER_TYPE) if quant else \
+                math.prod(shape) * embedded_dtype(weight_dtype, shape).itemsize
+    return total
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -112,17 +156,17 @@ def _check_gguf(ckpt, quant: str | None, weight_dtype) -> None:
 
 
 def _write(out: Path, entries: list, produce: Callable, meta: dict, quant: str | None, family: str,
-           canonical: Mapping[str, str], exact: set) -> None:
+           canonical: Mapping[str, str], adapters: set) -> None:
     """``entries`` (file key, dtype, shape) to ``out``: a ``.safetensors`` file as they are, or (``quant``) a GGUF
-    file of the UNet (``canonical``: file key → canonical key, the GGUF names) and the ``exact`` keys (embedded
+    file of the UNet (``canonical``: file key → canonical key, the GGUF names) and the ``adapters`` keys (embedded
     adapters), with the ``sdslim.*`` metadata; the keys outside the UNet (text encoder, VAE) are not written to a
     GGUF file, which holds a UNet only, as ComfyUI-GGUF's files do."""
     if quant is None:
         write_safetensors_streaming(out, entries, produce, meta)
         return
-    kept = [(canonical.get(k, k), d, s) for k, d, s in entries if k in canonical or k in exact]
-    file_key = {canonical.get(k, k): k for k, _, _ in entries if k in canonical or k in exact}
-    gguf.write_unet(out, kept, exact, lambda name: produce(file_key[name]), quant, family,
+    kept = [(canonical.get(k, k), d, s) for k, d, s in entries if k in canonical or k in adapters]
+    file_key = {canonical.get(k, k): k for k, _, _ in entries if k in canonical or k in adapters}
+    gguf.write_unet(out, kept, adapters, lambda name: produce(file_key[name]), quant, family,
                     {k: v for k, v in meta.items() if str(k).startswith("sdslim.")})
 
 
@@ -131,24 +175,33 @@ def _lora_meta(loras, applied: str) -> list:
              "applied": applied} for p, s in loras]
 
 
+def embedded_dtype(weight_dtype: torch.dtype | None, shape: tuple) -> torch.dtype:
+    """The dtype of an adapter tensor embedded in a slim ``.safetensors`` (``--embed-adapters``): fp16, or fp8 for
+    matrices when the UNet's weights are stored in fp8. (In GGUF: :data:`~sdslim_core.io.gguf.ADAPTER_TYPE`.)"""
+    fp8 = weight_dtype is not None and weight_dtype.itemsize == 1 and weight_dtype.is_floating_point
+    return weight_dtype if fp8 and len(shape) >= 2 else torch.float16
+
+
 def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1.0, device: str = "cpu",
                     progress: Callable[[int, int, str], None] | None = None,
-                    embed_adapters: bool = True, weight_dtype: torch.dtype | None = None,
+                    embed_adapters: bool = False, weight_dtype: torch.dtype | None = None,
                     quant: str | None = None) -> SlimResult:
     """Merge ``loras`` [(path, strength)] into ``ckpt``'s UNet, fold ``adapters`` and write ``out``.
 
     ``ckpt``: an LDM/ComfyUI/diffusers single file or a diffusers folder; ``adapters``: a path or
-    :class:`AdapterSet`; ``select``: the fraction of sites to fold (lowest recorded error first);
-    ``embed_adapters``: store the folded sites' adapter tensors in ``out`` under :data:`ADAPTER_PREFIX` (so LoRAs can
-    be applied to it later without the adapter file); otherwise only the adapter file's sha256 is recorded.
-    ``weight_dtype`` (e.g. ``torch.float8_e4m3fn``): store every UNet weight with two or more dimensions in it, each
-    rounded once from the float32 fold (biases, norms, the text encoder and VAE keep their dtypes); default: keep the
-    input's dtypes. ``quant`` (a :data:`~sdslim_core.io.gguf.WRITE_TYPES` name, e.g. ``"Q4_0"``): write ``out``
-    as a ``.gguf`` UNet instead (:mod:`~sdslim_core.io.gguf`: the UNet only, each tensor quantised once from the
-    float32 fold by the gguf package; adapters embedded as they are); with ``quant`` and no ``adapters``, the
-    full-size UNet (LoRAs merged) is written, unslimmed. An already-slim ``ckpt`` is passed to
-    :func:`apply_loras_to_slim` (``adapters`` may then be None). Everything is validated before the first byte is
-    written; the output appears atomically and never replaces the input.
+    :class:`AdapterSet`; ``select``: the fraction of sites to fold (lowest recorded error first). The output records
+    the adapter file's name and sha256 (a later LoRA finds the file by it) and how far ``ckpt``'s folded weights are
+    from the adapters' base (:mod:`~sdslim_core.ops.fingerprint`, when the adapter file has a base fingerprint).
+    ``embed_adapters``: also store the folded sites' adapter tensors in ``out`` under :data:`ADAPTER_PREFIX`, so
+    LoRAs can be applied to it later without the adapter file (fp16, fp8 with an fp8 ``weight_dtype``, Q8_0 in
+    GGUF: :func:`embedded_dtype`). ``weight_dtype`` (e.g. ``torch.float8_e4m3fn``): store every UNet weight with two
+    or more dimensions in it, each rounded once from the float32 fold (biases, norms, the text encoder and VAE keep
+    their dtypes); default: keep the input's dtypes. ``quant`` (a :data:`~sdslim_core.io.gguf.WRITE_TYPES` name, e.g.
+    ``"Q4_0"``): write ``out`` as a ``.gguf`` UNet instead (:mod:`~sdslim_core.io.gguf`: the UNet only, each tensor
+    quantised once from the float32 fold by the gguf package); with ``quant`` and no ``adapters``, the full-size
+    UNet (LoRAs merged) is written, unslimmed. An already-slim ``ckpt`` is passed to :func:`apply_loras_to_slim`
+    (``adapters`` may then be None). Everything is validated before the first byte is written; the output appears
+    atomically and never replaces the input.
     """
     _check_gguf(ckpt, quant, weight_dtype)
     if is_slim_checkpoint(ckpt):
@@ -178,17 +231,20 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     aset.check_model(canon_shapes, family=cfg.family)
     merger = LoraMerger([(p, s) for p, s in loras], cfg, canon_shapes, fold_sites=aset)
     warnings = list(merger.report.warnings)
+    notes: list = []
+    meter = _distance_meter(aset, notes)
 
     slim = fold.slim_shapes(canon_shapes, aset.ranks())
     owner = {}                                        # canonical key → site
     for site in aset.sites:
-        for k in site_keys(site, aset.kind(site), canon_shapes):
-            owner[k] = site
+        for k in fold.site_keys(site, aset.kind(site)):
+            if k in canon_shapes:
+                owner[k] = site
     inverse = {f: k for k, f in mapping.items()}
     remaining = {site: 0 for site in aset.sites}      # UNet entries of each site not yet listed
     for ckey, site in owner.items():
         remaining[site] += 1
-    entries, embedded = [], {}                        # embedded: output key → (site, tensor name)
+    entries, embedded = [], {}                        # embedded: output key → (site, tensor name, its dtype)
     stored: dict[str, torch.dtype] = {}                # UNet file key → its dtype in ``out``
     for fkey, (dtype, shape) in src.source.entries.items():
         ckey = inverse.get(fkey)
@@ -202,9 +258,9 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
             remaining[site] -= 1
             if embed_adapters and not remaining[site]:  # right after the site's own tensors: its adapters are read once
                 for name, v in aset.sites[site].items():
-                    embedded[f"{ADAPTER_PREFIX}{site}.{name}"] = (site, name)
-                    entries.append((f"{ADAPTER_PREFIX}{site}.{name}", v.dtype, tuple(v.shape)))
-    adapter_bytes = sum(math.prod(shape) * dtype.itemsize for key, dtype, shape in entries if key in embedded)
+                    key, dt = f"{ADAPTER_PREFIX}{site}.{name}", embedded_dtype(weight_dtype, tuple(v.shape))
+                    embedded[key] = (site, name, torch.float32 if quant else dt)
+                    entries.append((key, embedded[key][2], tuple(v.shape)))
 
     meta = dict(src.metadata)
     if adapters is None:                              # a full-size GGUF: no fold, so not marked slim
@@ -212,9 +268,15 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
                      "sdslim.loras": _lora_meta(loras, "merged")})
     else:
         origin = {"file": Path(aset.source).name if aset.source != "<memory>" else "<memory>",
-                  "sites": len(aset.sites), "select": select}
+                  "sites": len(aset.sites), "select": select,
+                  "embedded": (gguf.ADAPTER_TYPE if quant else "fp16" if weight_dtype is None or
+                               weight_dtype.itemsize != 1 else str(weight_dtype).split(".")[-1])
+                  if embed_adapters else None}
         if aset.source != "<memory>" and Path(aset.source).is_file():
-            origin["sha256"] = sha256_file(aset.source)
+            origin["sha256"] = HashIndex().sha256(aset.source)     # and remembered, for a later LoRA
+        elif not embed_adapters and aset.sites:
+            warnings.append("the adapters come from memory, not a file: no sha256 is recorded, so a LoRA applied to "
+                            "this slim file later cannot find them (save them to a file first, or embed them)")
         meta.update(slim_metadata(cfg, aset, origin, _lora_meta(loras, "before folding")))
         if embed_adapters:
             meta[ADAPTER_KEY] = ADAPTER_PREFIX
@@ -243,25 +305,36 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
             site_cache[site] = site_tensors(site)
         return site_cache[site]
 
+    def fold_one(site: str) -> None:
+        read: dict[str, torch.Tensor | None] = {}
+
+        def get(ckey: str):
+            if ckey not in read:
+                read[ckey] = merged_or_base(ckey)
+            return read[ckey]
+        tensors = {k: v.to(dev) for k, v in adapter_tensors(site).items()}
+        folded = fold.fold_site(site, aset.kind(site), get, tensors)
+        if meter is not None:
+            for ckey in fold.site_keys(site, aset.kind(site)):
+                meter.add(site, ckey, get(ckey))
+        for k, v in folded.items():
+            pending[k] = v.to("cpu", stored[mapping[k]])
+        done_sites.add(site)
+        if progress:
+            progress(len(done_sites), len(aset.sites), site)
+
     def produce(fkey: str) -> torch.Tensor:
         if fkey in embedded:
-            site, name = embedded[fkey]
-            return adapter_tensors(site)[name]
+            site, name, dtype = embedded[fkey]
+            return adapter_tensors(site)[name].to(dtype)
         ckey = inverse.get(fkey)
         if ckey is None:
             return reader[fkey]
         if ckey in owner:
             if ckey not in pending:
-                site = owner[ckey]
-                if site in done_sites:
+                if owner[ckey] in done_sites:
                     raise SlimError(f"internal error: {ckey} requested twice")
-                tensors = {k: v.to(dev) for k, v in adapter_tensors(site).items()}
-                folded = fold.fold_site(site, aset.kind(site), merged_or_base, tensors)
-                for k, v in folded.items():
-                    pending[k] = v.to("cpu", stored[mapping[k]])
-                done_sites.add(site)
-                if progress:
-                    progress(len(done_sites), len(aset.sites), site)
+                fold_one(owner[ckey])
             return pending.pop(ckey)
         t = base(ckey)
         return (merger.merge(ckey, t, out_dtype=stored[fkey]) if ckey in touched else t).to(stored[fkey])
@@ -269,8 +342,14 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     _write(out, entries, produce, meta, quant, cfg.family, inverse, set(embedded))
     before = sum(math.prod(s) for s in canon_shapes.values())
     after = sum(math.prod(slim[k]) for k in canon_shapes)
-    return SlimResult(out, cfg.family, len(aset.sites), before, after, out.stat().st_size,
-                      time.perf_counter() - t0, merger.report, warnings, adapter_bytes, gguf_type=quant)
+    result = SlimResult(out, cfg.family, len(aset.sites), before, after, file_size(out), file_size(src.path),
+                        time.perf_counter() - t0, merger.report, warnings, gguf_type=quant,
+                        distance=meter.result() if meter is not None else None,
+                        adapters_sha256=meta.get("sdslim.adapters", {}).get("sha256") if adapters is not None
+                        else None, embed_bytes=_embed_bytes(aset, weight_dtype, quant) if adapters is not None
+                        else 0, notes=notes)
+    _warn_distance(result)
+    return result
 
 
 # ------------------------------------------------------------------------------ LoRAs on a slim checkpoint
@@ -287,10 +366,11 @@ class SlimView:
     space: SlimSpace
 
 
-def open_slim(path, adapters=None) -> SlimView:
-    """Open a slim checkpoint with its adapters (see :func:`slim_adapters`)."""
+def open_slim(path, adapters=None, folders=()) -> SlimView:
+    """Open a slim checkpoint with its adapters (embedded, or the adapter file found as :func:`slim_adapters` finds
+    it: ``adapters`` a file or folder, ``folders`` searched first)."""
     lazy, mapping, _, _, cfg, meta = read_slim(path)
-    aset, site_tensors = slim_adapters(path, adapters)
+    aset, site_tensors = slim_adapters(path, adapters, folders)
     shapes = {k: tuple(lazy.entries[f][1]) for k, f in mapping.items()}
     return SlimView(lazy, mapping, shapes, cfg, meta, SlimSpace.for_slim(aset, shapes, site_tensors))
 
@@ -355,11 +435,15 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
         new_meta["sdslim.loras"] = json.dumps(list(metadata.get("sdslim.loras") or []) +
                                               _lora_meta(loras, "in slim space"))
     embedded = metadata.get(ADAPTER_KEY)
-    exact = {k for k in lazy.entries if embedded and k.startswith(embedded)}
+    kept = {k for k in lazy.entries if embedded and k.startswith(embedded)}
+    if kept and quant:
+        new_meta["sdslim.adapters"] = json.dumps({**(metadata.get("sdslim.adapters") or {}),
+                                                  "embedded": gguf.ADAPTER_TYPE})
     entries = [(k, dtype, tuple(shape)) for k, (dtype, shape) in lazy.entries.items()]
-    _write(out, entries, produce, new_meta, quant, cfg.family, inverse, exact)
+    _write(out, entries, produce, new_meta, quant, cfg.family, inverse, kept)
     before = sum(math.prod(s) for s in full_shapes.values())
     after = sum(math.prod(lazy.entries[f][1]) for f in file_keys.values())
-    adapter_bytes = sum(math.prod(s) * d.itemsize for k, (d, s) in lazy.entries.items() if k in exact)
-    return SlimResult(out, cfg.family, n_sites, before, after, out.stat().st_size, time.perf_counter() - t0, report,
-                      list(report.warnings), adapter_bytes, forms, gguf_type=quant)
+    return SlimResult(out, cfg.family, n_sites, before, after, file_size(out), file_size(ckpt),
+                      time.perf_counter() - t0, report, list(report.warnings), forms, gguf_type=quant,
+                      adapters_sha256=(metadata.get("sdslim.adapters") or {}).get("sha256"),
+                      embed_bytes=file_size(out).parts["adapters"])

@@ -13,7 +13,8 @@ from ..io.files import DiskFullError
 from ..optional import MissingDependency
 
 COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
-                        ("breakdown", "encode", "train", "slim", "lora", "evaluate", "vram", "demo", "ui"))
+                        ("breakdown", "encode", "train", "slim", "lora", "adapters", "evaluate", "vram", "demo",
+                          "ui"))
 
 # What a command's bad input (or a full disk) raises; the message is shown as it is (CLI and ``sdslim ui`` alike).
 USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency, DiskFullError)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..io.files import format_bytes
 from ..io.gguf import QUANT_TYPES, WRITE_TYPES
 from ..io.lora_files import parse_lora_arg
 
@@ -22,29 +23,39 @@ def _progress(enabled: bool):
 
 
 def summary_text(result, loras) -> str:
-    """The human-readable lines ``sdslim slim`` prints for a :class:`~sdslim_core.apps.slim.SlimResult`."""
-    mib = 2 ** 20
-    lines = [result.merge.summary()] if loras and not result.lora_forms else \
-        [f"warning: {w}" for w in result.warnings]
-    if result.gguf_type and not loras and not result.unet_params_after < result.unet_params_before \
-            and not result.sites:
-        lines.append(f"{result.family}: wrote the full-size UNet as GGUF {result.gguf_type}: {result.out} "
-                     f"({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s")
-        return "\n".join(line for line in lines if line)
+    """The human-readable lines ``sdslim slim`` prints for a :class:`~sdslim_core.apps.slim.SlimResult`: every
+    size is the written file's, by part."""
+    lines = [result.merge.summary()] if loras and not result.lora_forms else []
+    written = f"wrote {'GGUF ' + result.gguf_type + ' ' if result.gguf_type else ''}{result.out}: " \
+              f"{result.file.text()} in {result.seconds:.1f} s"
     if result.lora_forms:
         forms = ", ".join(f"{n} {f}" for f, n in sorted(result.lora_forms.items()))
-        lines.append(f"{result.family}: applied in slim space, no re-fold ({forms} LoRA modules); wrote {result.out} "
-                     f"({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s")
-        return "\n".join(line for line in lines if line)
-    stored = f"GGUF {result.gguf_type} " if result.gguf_type else ""
-    lines.append(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
-                 f"{result.unet_params_after / 1e6:.1f}M parameters ({result.to_dict()['ratio']:.2f}x); wrote "
-                 f"{stored}{result.out} ({result.file_bytes / mib:.1f} MiB) in {result.seconds:.1f} s")
-    if result.adapter_bytes:
-        lines.append(f"embedded adapters: {result.adapter_bytes / mib:.1f} MiB "
-                     f"(+{result.adapter_bytes / (result.file_bytes - result.adapter_bytes):.0%} over the file "
-                     "without them), so LoRAs can be applied to it later without the adapter file; "
-                     "--no-embed-adapters stores only the adapter file's sha256")
+        lines.append(f"{result.family}: applied in slim space, no re-fold ({forms} LoRA modules)")
+    elif not result.sites:
+        lines.append(f"{result.family}: the full-size UNet as GGUF {result.gguf_type}" + (", LoRAs merged" if loras else ""))
+    else:
+        lines.append(f"{result.family}: folded {result.sites} sites; UNet {result.unet_params_before / 1e6:.1f}M -> "
+                     f"{result.unet_params_after / 1e6:.1f}M parameters "
+                     f"({result.unet_params_after / result.unet_params_before:.2f}x)")
+    lines.append(written)
+    src = result.source
+    if src is not None and not result.lora_forms:
+        unet = result.file.parts["unet"] / src.parts["unet"] if src.parts["unet"] else float("nan")
+        lines.append(f"source {src.path}: {src.text()}; UNet part {unet:.2f}x, whole file "
+                     f"{result.file.total / src.total:.2f}x")
+    if result.sites and result.adapter_bytes:
+        lines.append(f"embedded adapters: {format_bytes(result.adapter_bytes)} "
+                     f"({result.adapter_bytes / result.file.total:.0%} of the file), so LoRAs can be applied to it "
+                     "later without the adapter file")
+    elif result.sites and result.adapters_sha256 and not result.lora_forms:
+        lines.append(f"adapters not embedded: loading and sampling need no adapter file; a LoRA applied to this file "
+                     f"later finds it by its sha256 ({result.adapters_sha256[:12]}…) in the adapter folders "
+                     f"(--embed-adapters would add {format_bytes(result.embed_bytes)})")
+    if result.distance is not None:
+        d = result.distance
+        worst = ", ".join(f"{s} {v:.1%}" for s, v in d.worst())
+        lines.append(f"distance from the adapters' base: {d.overall:.1%} of the folded weights (largest: {worst})")
+    lines += [f"note: {n}" for n in result.notes] + [f"warning: {w}" for w in result.warnings]
     return "\n".join(line for line in lines if line)
 
 
@@ -59,7 +70,7 @@ def run(args) -> int:
     quant = (args.quant or "Q8_0") if fmt == "gguf" else None
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
                              progress=_progress(not args.json and sys.stderr.isatty()),
-                             embed_adapters=not args.no_embed_adapters, weight_dtype=weight_dtype, quant=quant)
+                             embed_adapters=args.embed_adapters, weight_dtype=weight_dtype, quant=quant)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -72,22 +83,31 @@ def register(sub):
                                     "slim checkpoint",
                        description="Merge LoRAs into the full UNet weights, fold the sdslim adapters and write a "
                                    "slim .safetensors checkpoint (same key names, slim shapes; text encoder and VAE "
-                                   "copied through; the adapters embedded under sdslim.adapters.). Given a slim "
-                                   "checkpoint, apply the LoRAs to it in slim space instead (exact, no re-fold, no "
-                                   "adapter file needed when they are embedded). The input is never modified.")
+                                   "copied through; the adapter file recorded by its sha256). Given a slim "
+                                   "checkpoint, apply the LoRAs to it in slim space instead (exact, no re-fold; the "
+                                   "adapter file is found by its sha256, or embedded). The input is never "
+                                   "modified.")
     p.add_argument("--ckpt", required=True, help="LDM/ComfyUI single-file .safetensors or a diffusers UNet folder; "
                                                  "or a slim checkpoint")
-    p.add_argument("--adapters", help="sdslim adapter file (.safetensors); needed to fold, optional for a slim "
-                                      "--ckpt (then checked against the sha256 the checkpoint records)")
+    p.add_argument("--adapters", help="sdslim adapter file (.safetensors); needed to fold. For a slim --ckpt, "
+                                      "optional: a file (checked against the sha256 the checkpoint records) or a "
+                                      "folder to search first; by default the adapter file is found by its sha256 in "
+                                      "$SDSLIM_ADAPTER_PATH, the config file's adapter_paths and the slim file's "
+                                      "folder")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="LoRA/LyCORIS/peft file (repeatable; strength default 1.0): merged before folding, or "
                         "applied in slim space to a slim --ckpt")
     p.add_argument("--out", required=True, help="output .safetensors (must differ from --ckpt)")
     p.add_argument("--select", type=float, default=1.0,
                    help="fraction of adapter sites to fold, lowest recorded error first (default 1.0: all)")
-    p.add_argument("--no-embed-adapters", action="store_true",
-                   help="do not store the adapter tensors in the slim checkpoint (smaller file; applying LoRAs to it "
-                        "later then needs --adapters)")
+    embed = p.add_mutually_exclusive_group()
+    embed.add_argument("--embed-adapters", action="store_true",
+                       help="also store the folded sites' adapter tensors in the file (fp16; fp8 with --weight-dtype "
+                            "fp8_e4m3fn; Q8_0 in GGUF), for one-file distribution: LoRAs applied to it later then "
+                            "need no adapter file (default: only the adapter file's name and sha256 are recorded, "
+                            "and a later LoRA finds that file by its sha256)")
+    embed.add_argument("--no-embed-adapters", action="store_false", dest="embed_adapters",
+                       help="the default: record the adapter file's sha256 only")
     p.add_argument("--weight-dtype", choices=sorted(WEIGHT_DTYPES),
                    help="store the UNet's weights (2-D and larger) in this dtype, each rounded once from the fold; "
                         "fp8_e4m3fn stacks fp8 storage on the slim UNet (default: keep the input's dtypes)")
@@ -101,4 +121,4 @@ def register(sub):
                         "UNet is written (LoRAs merged)")
     p.add_argument("--device", default="cpu", help="device for the fold arithmetic (e.g. cuda); default cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, embed_adapters=False)

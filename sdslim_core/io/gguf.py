@@ -15,9 +15,9 @@ Rules, as ComfyUI-GGUF's converter (``tools/convert.py``) and loader (``loader.p
 - ``general.architecture`` is ``sd1`` for SD1.x and SD2.x (ComfyUI-GGUF has no ``sd2``: its converter detects SD2
   as ``sd1`` and ComfyUI tells the two apart by their shapes) and ``sdxl`` for SDXL;
 - sdslim's own metadata are string values under ``sdslim.*`` (JSON where not a string, as in a slim
-  ``.safetensors``), and embedded adapters are tensors ``sdslim.adapters.<site>.<tensor>`` in their own dtype
-  (F32/F16/BF16: never quantised, so LoRAs converted with them stay exact). ComfyUI-GGUF's loader keeps them in
-  its state dict; sdslim's loader takes them out.
+  ``.safetensors``). A slim GGUF file holds no adapter tensors unless written with ``--embed-adapters``: then they
+  are tensors ``sdslim.adapters.<site>.<tensor>`` in Q8_0 (:data:`ADAPTER_TYPE`; small ones F32, by the rules
+  above). ComfyUI-GGUF's loader keeps them in its state dict; sdslim's loader takes them out.
 
 The writer offers Q8_0, Q5_1, Q5_0, Q4_1, Q4_0 (the types gguf-py can quantise; one type for every large tensor,
 like ``llama-quantize --pure``) and F16 (the converter's own output). K-quants (Q4_K …) and IQ types have no
@@ -45,11 +45,12 @@ WRITE_TYPES = QUANT_TYPES + ("F16",)
 ARCHITECTURES = {"sd15": "sd1", "sd2": "sd1", "sdxl": "sdxl"}
 ORIG_SHAPE = "comfy.gguf.orig_shape."
 QUANT_KEY = "sdslim.gguf_type"                          # metadata: the type the UNet's large tensors were written in
+ADAPTER_TYPE = "Q8_0"                                   # embedded adapters (--embed-adapters): LoRA-effect cosine
+                                                        # vs float32 adapters ≥ 0.999 (bench/file_sizes.py)
 SMALL = 1024                                            # at most this many elements: F32 (QUANTIZATION_THRESHOLD)
 RESHAPE_MIN = 512                                       # the converter reshapes from this many elements
 ROW = 256
 BLOCK = 32
-_EXACT = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -119,15 +120,6 @@ def plan(name: str, shape: Sequence[int], qtype: str) -> TensorPlan:
         return _plan(name, shape, "F32")
     p = _plan(name, shape, qtype)
     return p if p.rows[-1] % _block(qtype)[0] == 0 else _plan(name, shape, "F16")
-
-
-def plan_exact(name: str, shape: Sequence[int], dtype: torch.dtype) -> TensorPlan:
-    """A tensor stored as it is (embedded adapters): F32, F16 or BF16 by ``dtype``, never reshaped."""
-    if dtype not in _EXACT:
-        raise GGUFError(f"{name}: {dtype} cannot be stored exactly in GGUF (float32, float16 or bfloat16 expected)")
-    shape = tuple(int(d) for d in shape)
-    qtype = _EXACT[dtype]
-    return TensorPlan(name, shape, qtype, shape, math.prod(shape) * _block(qtype)[1])
 
 
 def encode(t: torch.Tensor, p: TensorPlan):
@@ -201,14 +193,14 @@ def write(path, plans: Sequence[TensorPlan], produce: Callable[[str], torch.Tens
     return path
 
 
-def write_unet(path, entries: Sequence[tuple[str, torch.dtype, tuple]], exact: set,
+def write_unet(path, entries: Sequence[tuple[str, torch.dtype, tuple]], adapters: set,
                produce: Callable[[str], torch.Tensor], qtype: str, family: str, metadata: Mapping) -> Path:
     """A UNet as GGUF: ``entries`` [(name, dtype, shape)] in order, canonical UNet keys stored by :func:`plan` in
-    ``qtype`` and the names in ``exact`` (embedded adapters) as they are; ``general.architecture`` from the
-    ``family``; ``metadata`` plus :data:`QUANT_KEY`."""
+    ``qtype`` and the names in ``adapters`` (embedded adapters) in :data:`ADAPTER_TYPE`, by the same rules;
+    ``general.architecture`` from the ``family``; ``metadata`` plus :data:`QUANT_KEY`."""
     if family not in ARCHITECTURES:
         raise GGUFError(f"family {family!r}: GGUF is written for {', '.join(ARCHITECTURES)} UNets")
-    plans = [plan_exact(k, s, d) if k in exact else plan(k, s, qtype) for k, d, s in entries]
+    plans = [plan(k, s, ADAPTER_TYPE if k in adapters else qtype) for k, d, s in entries]
     return write(path, plans, produce, ARCHITECTURES[family], {**metadata, QUANT_KEY: qtype}, file_type=qtype)
 
 
@@ -317,8 +309,9 @@ def is_slim_gguf(path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf" and GGUFFile(path).fields.get(SLIM_KEY) == "1"
 
 
-def slim_adapters(path, adapters=None) -> tuple[AdapterSet, Callable[[str], dict]]:
+def slim_adapters(path, adapters=None, folders=()) -> tuple[AdapterSet, Callable[[str], dict]]:
     """(AdapterSet on ``meta``, site → tensors) of a slim GGUF file's adapters: embedded (read from the file per
-    site), or the adapter file it records the sha256 of (:func:`~sdslim_core.io.slim_checkpoint.adapters_of`)."""
+    site, dequantised), or the adapter file it records the sha256 of, found as
+    :func:`~sdslim_core.io.slim_checkpoint.slim_adapters` finds it."""
     f, _, cfg, meta = read_slim(path)
-    return adapters_of(path, cfg, meta, f.entries, adapters, opener=GGUFFile)
+    return adapters_of(path, cfg, meta, f.entries, adapters, opener=GGUFFile, folders=folders)

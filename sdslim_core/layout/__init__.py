@@ -13,6 +13,7 @@ from typing import Iterable, Mapping
 
 FAMILIES = ("sd15", "sd2", "sdxl")
 SDSLIM_TENSORS = "sdslim."   # namespace of tensors sdslim stores beside a UNet (a slim checkpoint's adapters)
+ADAPTER_TENSORS = SDSLIM_TENSORS + "adapters."   # adapters embedded in a slim file: ADAPTER_TENSORS + "<site>.<tensor>"
 UNET_CONFIG_KEY = "sdslim.unet_config"   # metadata: the full-size UNetConfig of a slim checkpoint / tiny teacher
 UNET_TOP_MODULES = ("input_blocks", "middle_block", "output_blocks", "time_embed", "label_emb", "out")
 CHECKPOINT_PREFIX = "model.diffusion_model."     # the UNet in an LDM/A1111 single-file checkpoint
@@ -77,6 +78,23 @@ class Site:
 
 
 # --------------------------------------------------------------------------------------------------- naming
+
+FILE_PARTS = ("unet", "adapters", "text_encoders", "vae", "other")   # what the tensors of a model file are
+_PART_PREFIXES = ((ADAPTER_TENSORS, "adapters"), (CHECKPOINT_PREFIX, "unet"), (COMFY_PREFIX, "unet"),
+                  ("unet.", "unet"), ("cond_stage_model.", "text_encoders"), ("conditioner.", "text_encoders"),
+                  ("text_encoders.", "text_encoders"), ("text_encoder.", "text_encoders"),
+                  ("text_encoder_2.", "text_encoders"), ("clip_l.", "text_encoders"), ("clip_g.", "text_encoders"),
+                  ("first_stage_model.", "vae"), ("vae.", "vae"))
+
+
+def file_part(key: str) -> str:
+    """Which of :data:`FILE_PARTS` a tensor of a model file belongs to, by its name (LDM single files, ComfyUI
+    and diffusers prefixes, bare UNet keys as GGUF files name them)."""
+    for prefix, part in _PART_PREFIXES:
+        if key.startswith(prefix):
+            return part
+    return "unet" if key.split(".", 1)[0] in UNET_TOP_MODULES else "other"
+
 
 def strip_prefix(keys: Iterable[str]) -> tuple[str, str]:
     """Return (prefix, naming) where naming is ``ldm`` or ``diffusers``; raise LayoutError otherwise."""

@@ -125,6 +125,11 @@ def layer_roles(site: str, kind: str) -> dict[str, str]:
     return {f"{site}.{_LDM[role]}": role for role in ("conv1", "emb", "norm2", "conv2")}
 
 
+def site_keys(site: str, kind: str) -> list[str]:
+    """The canonical keys (weights and biases) of the layers a site's fold changes, norm2 included."""
+    return [f"{module}.{p}" for module in layer_roles(site, kind) for p in ("weight", "bias")]
+
+
 # ---------------------------------------------------------------------------------------------- the fold
 
 def out_bias_shift(w_o: torch.Tensor, up_bias: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

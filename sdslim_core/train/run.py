@@ -17,6 +17,7 @@ import torch
 from . import calibration as cal, ranks as ranks_mod, report as report_mod, stage1, stage2
 from .. import layout
 from ..io.adapters import AdapterSet
+from ..ops import fingerprint
 from .config import TrainConfig
 from .init import initialise
 from .plan import make_plan, replan
@@ -128,7 +129,9 @@ def execute(session: Session) -> TrainResult:
                               guidance=tc.guidance)
     final.metadata = {"sdslim.train": report_mod.train_metadata(report, session, site_err, table),
                       "sdslim.base": {"family": session.cfg.family, "fingerprint": fp["teacher"],
-                                      "params": report.params["original"]}}
+                                      "params": report.params["original"],
+                                      "sketches": fingerprint.sketches(((s, final.kind(s)) for s in final.sites),
+                                                                       session.weights.get)}}
     report.out = str(session.out_path)
     if session.topo.main:
         final.save(session.out_path)

@@ -28,7 +28,7 @@ import comfy.utils
 from sdslim_core import layout
 from sdslim_core.io import adapters
 from sdslim_core.modules.layers import LayerError, resize_like, set_module
-from sdslim_core.ops import fold, lora_slim
+from sdslim_core.ops import fingerprint, fold, lora_slim
 
 from . import monitor, patches
 
@@ -52,11 +52,35 @@ class SlimInfo:
     full_shapes: dict                  # canonical key -> shape of the original (full) model
     slim_keys: frozenset               # canonical keys whose shape changed
     space: object = None               # lora_slim.SlimSpace of the folded adapters (None: LoRAs cannot be converted)
+    distance: object = None            # fingerprint.Distance of the folded weights from the adapters' base, if known
 
 
 GGUF_INSTEAD = ("Slim the model's original .safetensors and write it as GGUF once instead: `sdslim slim --ckpt "
                 "model.safetensors --adapters ADAPTERS.safetensors --format gguf --quant Q4_0 --out "
                 "models/unet/model-slim-Q4_0.gguf`, then load that with Load Slim GGUF (sdslim)")
+
+
+def distance_meter(aset: "adapters.AdapterSet"):
+    """A :class:`~sdslim_core.ops.fingerprint.DistanceMeter` against the adapter file's base fingerprint, or None
+    when the file has none."""
+    try:
+        return fingerprint.DistanceMeter(aset.metadata.get("sdslim.base") or {})
+    except fingerprint.FingerprintError:
+        return None
+
+
+def report_distance(d) -> None:
+    """Say in the console how far the folded weights are from the adapters' base; warn past the measured threshold."""
+    if d is None:
+        return
+    worst = ", ".join(f"{s} {v:.0%}" for s, v in d.worst())
+    if d.overall > fingerprint.WARN_DISTANCE:
+        log.warning("sdslim: this MODEL's folded weights are %.0f%% from the adapters' base (largest: %s); past %.0f%% "
+                    "base adapters keep measurably less of a fine-tune or merge than adapters refitted on it (Train "
+                    "Slim Adapters with 'start from adapters')", 100 * d.overall, worst,
+                    100 * fingerprint.WARN_DISTANCE)
+    else:
+        log.info("sdslim: folded weights %.1f%% from the adapters' base (largest: %s)", 100 * d.overall, worst)
 
 
 def check_gguf(unet: torch.nn.Module) -> None:
@@ -265,14 +289,24 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     site_tensors = site_tensors or (lambda s: aset.sites[s])
     device = model.load_device if getattr(model.load_device, "type", "cpu") == "cuda" else torch.device("cpu")
     used: set = set()
-    get = merged_getter(kp, device, used)
+    get, peek = merged_getter(kp, device, used), merged_getter(kp, device, set())
+    meter = distance_meter(aset)
     folded: dict = {}
     sites = list(aset.sites)
     for i, site in enumerate(sites):
         comfy.model_management.throw_exception_if_processing_interrupted()
-        for key, t in fold.fold_site(site, aset.kind(site), get, site_tensors(site)).items():
+        read: dict = {}
+
+        def get_once(key, read=read):
+            if key not in read:
+                read[key] = get(key)
+            return read[key]
+        for key, t in fold.fold_site(site, aset.kind(site), get_once, site_tensors(site)).items():
             store = _store_dtype(kp[PREFIX + key][0][0].dtype, base)
             folded[key] = t.to(device=model.offload_device, dtype=store)
+        if meter is not None:
+            for key in fold.site_keys(site, aset.kind(site)):
+                meter.add(site, key, read[key] if key in read else peek(key))
         if progress is not None:
             progress(i + 1, len(sites))
     for key in folded:
@@ -290,7 +324,9 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     skeleton.load_state_dict(state, strict=True, assign=True)
     new_base.sdslim_info = SlimInfo(family=family, adapters=aset.source, ranks=aset.ranks(), full_shapes=shapes,
                                     slim_keys=frozenset(slim_keys),
-                                    space=lora_slim.SlimSpace(aset, shapes, site_tensors))
+                                    space=lora_slim.SlimSpace(aset, shapes, site_tensors),
+                                    distance=meter.result() if meter is not None else None)
+    report_distance(new_base.sdslim_info.distance)
 
     out = model.clone()
     out.__class__ = patches.slim_class(type(model))

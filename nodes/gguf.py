@@ -9,7 +9,8 @@ load, so a folded ResBlock's ``norm2`` (1-D F32, fewer channels, its own group c
 count) and ``Conv2d`` (a slim conv small enough to stay F32/F16 takes its stored shape), both assigning the tensor
 as ComfyUI-GGUF assigns quantised ones. Quantised weights stay quantised and are dequantised per forward by
 ComfyUI-GGUF. The MODEL is slim like Slim UNet's output: LoRA loaders after it are converted into slim space
-(:mod:`.patches`) with the adapters embedded in the file, then ComfyUI-GGUF applies them to the dequantised weights.
+(:mod:`.patches`) with the adapter file the slim file records, found by its sha256 in ``models/sdslim`` (or the
+adapters it embeds), then ComfyUI-GGUF applies them to the dequantised weights.
 
 ComfyUI-GGUF is found the way ComfyUI exposes custom node packs: the module behind its ``UnetLoaderGGUF`` in
 ``nodes.NODE_CLASS_MAPPINGS``; its code is used, never copied.
@@ -22,11 +23,10 @@ import types
 
 from sdslim_core import layout
 from sdslim_core.io import gguf as io_gguf
-from sdslim_core.io import slim_checkpoint
 from sdslim_core.modules.unet import canonical_shapes
 from sdslim_core.ops import lora_slim
 
-from . import folding, monitor, patches
+from . import folding, monitor, patches, paths
 
 GGUF_LOADER = "UnetLoaderGGUF"           # ComfyUI-GGUF's node, by which its package is found
 MISSING = ("sdslim: Load Slim GGUF needs the ComfyUI-GGUF custom nodes (city96/ComfyUI-GGUF), which are not loaded "
@@ -87,6 +87,7 @@ def load(path: str):
     gg = comfyui_gguf()
     import comfy.sd
     import comfy.utils
+    import folder_paths
     if not io_gguf.is_slim_gguf(path):
         raise folding.SlimError(f"sdslim: {path} is not a slim GGUF file (no sdslim.slim=1 metadata); load it with "
                                 "Unet Loader (GGUF), or make one with `sdslim slim ... --format gguf`")
@@ -107,17 +108,17 @@ def load(path: str):
     wrong = [k for k, s in stored.items() if tuple(comfy.utils.get_attr(unet, k).shape) != s]
     if wrong:
         raise folding.SlimError(f"sdslim: {path}: tensors not taken at their stored shape: {wrong[:3]}")
-    space = None
-    if meta.get(slim_checkpoint.ADAPTER_KEY):
-        aset, site_tensors = io_gguf.slim_adapters(path)
-        space = lora_slim.SlimSpace.for_slim(aset, stored, site_tensors)
-        full = dict(space.full_shapes)
-    else:
-        full = canonical_shapes(cfg)
+    ranks = meta.get("sdslim.ranks") or {}
+    full = {k: tuple(v) for k, v in canonical_shapes(cfg).items()}
+
+    def space():
+        aset, site_tensors = io_gguf.slim_adapters(path, folders=paths.adapter_folders(folder_paths))
+        return lora_slim.SlimSpace.for_slim(aset, stored, site_tensors)
     model = gg.nodes.GGUFModelPatcher.clone(model)
     model.model.sdslim_info = folding.SlimInfo(
-        family=meta["sdslim.family"], adapters=f"{path} (embedded adapters)", ranks=meta.get("sdslim.ranks") or {},
-        full_shapes=full, slim_keys=frozenset(k for k, s in stored.items() if tuple(full[k]) != s), space=space)
+        family=meta["sdslim.family"], adapters=paths.adapter_origin(path, meta), ranks=ranks, full_shapes=full,
+        slim_keys=frozenset(k for k, s in stored.items() if tuple(full[k]) != s),
+        space=lora_slim.DeferredSlimSpace(ranks, space))
     model.__class__ = patches.slim_class(type(model))
     monitor.install(model)
     return model

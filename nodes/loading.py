@@ -5,7 +5,9 @@ the first slimmed weight ("size mismatch"). This loader goes ComfyUI's way (mode
 unslimmed shapes, ComfyUI's dtype choice, its CLIP and VAE loaders) with one change: the UNet is built on the meta
 device, the slimmed layers are replaced by layers of the file's shapes (same ``comfy.ops`` classes), and the file's
 tensors are assigned. The MODEL is slim like Slim UNet's output: LoRAs added after it are converted into slim space
-with the adapters embedded in the file (``sdslim.adapters.*``, read again per site when a LoRA comes).
+with the adapter file the slim file records, found by its sha256 in ``models/sdslim`` when the first LoRA on a folded
+layer comes (or the adapters the file embeds, ``sdslim.adapters.*``, read again per site). Loading and sampling need
+no adapter file.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from sdslim_core.io import slim_checkpoint
 from sdslim_core.io.tensors import LazyStateDict
 from sdslim_core.ops import lora_slim
 
-from . import folding, monitor, patches
+from . import folding, monitor, patches, paths
 
 UNET_PREFIX = layout.CHECKPOINT_PREFIX
 
@@ -75,13 +77,14 @@ def _model(path: str, sd: dict, metadata: dict):
     if left:
         raise folding.SlimError(f"sdslim: {path}: ComfyUI's {type(base).__name__} has tensors the checkpoint does "
                                 f"not fill: {left[:3]}")
-    space = None
-    if meta.get(slim_checkpoint.ADAPTER_KEY):
-        aset, site_tensors = slim_checkpoint.slim_adapters(path)
-        space = lora_slim.SlimSpace(aset, full, site_tensors)
-    base.sdslim_info = folding.SlimInfo(family=meta["sdslim.family"], adapters=f"{path} (embedded adapters)",
-                                        ranks=meta.get("sdslim.ranks") or {}, full_shapes=full,
-                                        slim_keys=frozenset(slim_keys), space=space)
+    ranks = meta.get("sdslim.ranks") or {}
+
+    def space():
+        aset, site_tensors = slim_checkpoint.slim_adapters(path, folders=paths.adapter_folders(folder_paths))
+        return lora_slim.SlimSpace(aset, full, site_tensors)
+    base.sdslim_info = folding.SlimInfo(family=meta["sdslim.family"], adapters=paths.adapter_origin(path, meta),
+                                        ranks=ranks, full_shapes=full, slim_keys=frozenset(slim_keys),
+                                        space=lora_slim.DeferredSlimSpace(ranks, space))
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=load_device, offload_device=mm.unet_offload_device())
     patcher.__class__ = patches.slim_class(type(patcher))
     monitor.install(patcher)

@@ -116,6 +116,22 @@ def _header_says(path: str, what: str) -> bool:
     return _HEADER_CHECKS[key]
 
 
+def adapter_folders(folder_paths) -> list[str]:
+    """Where a slim file's adapter file is looked for by its sha256: every ``models/sdslim`` search path (those of
+    ``extra_model_paths.yaml`` included); the core adds ``$SDSLIM_ADAPTER_PATH``, the config file's and the slim
+    file's own folder."""
+    return list(folder_paths.get_folder_paths(FOLDER))
+
+
+def adapter_origin(path: str, meta: dict) -> str:
+    """What a slim file's model reports as its adapters: the file it embeds, or the adapter file it records."""
+    if meta.get("sdslim.adapter_tensors"):
+        return f"{path} (embedded adapters)"
+    origin = meta.get("sdslim.adapters") or {}
+    sha = origin.get("sha256")
+    return f"{origin.get('file', '?')}" + (f" (sha256 {sha[:12]}…, found by hash when a LoRA needs it)" if sha else "")
+
+
 def resolve(folder_paths, name: str) -> str:
     """Absolute path of an adapter file chosen in a combo; a clear error when it is gone."""
     path = folder_paths.get_full_path(FOLDER, name)

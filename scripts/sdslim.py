@@ -181,12 +181,20 @@ def slim_for_sampling(p, job):
     p.extra_generation_params.pop(params.ERROR_KEY, None)
     p.extra_generation_params[params.INFOTEXT_KEY] = params.infotext_value(
         job.adapter, _State.files.short_hash(path), job.strength)
+    warnings = []
     if hits:
         text = ", ".join(f"{name} changes norm2 of {n} folded ResBlocks" for name, n in hits.items())
-        p.extra_generation_params[params.WARNING_KEY] = f"{text}; norm2 is replaced by the adapter, that part is dropped"
-        _log(p.extra_generation_params[params.WARNING_KEY])
+        warnings.append(f"{text}; norm2 is replaced by the adapter, that part is dropped")
+        _log(warnings[-1])
     seconds = None if report.cached else report.seconds
     _log(params.fold_text(report.sites, report.layers, report.bytes_saved, seconds))
+    line, far = params.distance_text(report.distance)
+    if line and not report.cached:
+        _log(line)
+    if far:
+        warnings.append(far)
+    if warnings:
+        p.extra_generation_params[params.WARNING_KEY] = "; ".join(warnings)
     if loras.modules:
         _log(params.lora_text(loras.modules, loras.tensors, loras.forms, None if loras.cached else loras.seconds))
 

@@ -657,3 +657,28 @@ def test_load_slim_gguf_lists_slim_gguf_files_and_names_comfyui_gguf_when_it_is_
         gg.load(str(unet_dir / "sub" / "slim.gguf"))
     del fp.folder_names_and_paths["diffusion_models"]
     assert pack.paths.slim_ggufs(fp) == []
+
+
+def test_slim_unet_measures_how_far_the_model_is_from_the_adapters_base(pack, model, caplog):
+    """The distance of the merged weights (LoRAs included) from the adapter file's base fingerprint: 0 on the base,
+    the exact relative change otherwise, a console warning past the threshold."""
+    from sdslim_core.ops import fingerprint, fold
+    patcher, weights = model
+    aset = _aset(weights, 0.5)
+    aset.metadata["sdslim.base"] = {"sketches": fingerprint.sketches(((s, aset.kind(s)) for s in aset.sites),
+                                                                     weights.get)}
+    with caplog.at_level(logging.INFO, logger="sdslim"):
+        same = pack.folding.slim_patcher(patcher, aset).model.sdslim_info.distance
+    assert same.overall == 0.0 and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    keys = [k for s in aset.sites for k in fold.site_keys(s, aset.kind(s)) if k in weights]
+    g = torch.Generator().manual_seed(7)
+    deltas = {k: torch.randn(weights[k].shape, generator=g, dtype=torch.float64) for k in keys}
+    deltas = {k: 0.3 * weights[k].norm() / d.norm() * d for k, d in deltas.items()}
+    moved = patcher.clone()
+    moved.add_patches({"diffusion_model." + k: ("diff", (d,)) for k, d in deltas.items()}, 1.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sdslim"):
+        far = pack.folding.slim_patcher(moved, aset).model.sdslim_info.distance
+    exact = math.sqrt(sum(float(deltas[k].pow(2).sum()) for k in keys) / sum(float(weights[k].pow(2).sum()) for k in keys))
+    assert far.overall == pytest.approx(exact, rel=0.15)
+    assert any(r.levelno == logging.WARNING and "from the adapters' base" in r.getMessage() for r in caplog.records)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from sdslim_core import layout
 from sdslim_core.io.adapters import AdapterSet
 from sdslim_core.modules.unet import build_diffusers_unet
 from sdslim_core.train import Calibration, CheckpointError, TrainConfig, train_adapters
@@ -85,6 +86,14 @@ def test_adapter_file_metadata_and_plot(reference):
     assert train["data"]["n_inputs"] == 40 * 2 * 2 and train["data"]["source"] == "contexts"
     assert set(train["unet_error"]) == {"init", "stage1", "stage2"}
     assert aset.metadata["sdslim.base"]["family"] == "sd15"
+    # the base fingerprint: the teacher is at distance 0 from it, every folded tensor sketched
+    from sdslim_core.ops import fingerprint, fold
+    teacher, _ = layout.to_canonical(_teacher().state_dict())
+    meter = fingerprint.DistanceMeter(aset.metadata["sdslim.base"])
+    for site in aset.sites:
+        for k in fold.site_keys(site, aset.kind(site)):
+            meter.add(site, k, teacher.get(k))
+    assert meter.result().overall == 0.0 and not meter.result().missing and meter.result().compared > 3 * len(aset.sites)
     half = aset.select(0.5)
     kept = sorted(errors, key=errors.get)[:14]
     assert set(half.sites) == set(kept)

@@ -23,8 +23,13 @@ def main():
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--add-fingerprint", action="store_true",
+                   help="do not train: give the shipped file (trained before adapter files carried one) the tiny "
+                        "teacher's base fingerprint, tensors unchanged (`sdslim adapters fingerprint`)")
     args = p.parse_args()
     out = tiny.ASSETS / "tiny_sd15_slim_half.safetensors"
+    if args.add_fingerprint:
+        return add_fingerprint(out)
     cmd = [sys.executable, "-m", "sdslim_core.cli", "train", "--ckpt", str(tiny.DEFAULT_PATH.relative_to(ROOT)),
            "--out", str(out.relative_to(ROOT)), "--ratio", str(args.ratio), "--steps", str(args.steps),
            "--seed", str(args.seed), "--no-progress", "--no-vram-estimate"]
@@ -41,6 +46,22 @@ def main():
                        "final_loss": {"unet_eps_relative_error": {k: round(v, 4) for k, v in err.items()}},
                        "loss_curve": "(per-site errors in the file's sdslim.train metadata)"})
     print(f"wrote {out} in {seconds:.0f} s; UNet eps relative error {err}")
+
+
+def add_fingerprint(out):
+    from tiny_common import MANIFEST
+    import json
+    tmp = out.with_name(out.stem + ".fp.safetensors")
+    subprocess.run([sys.executable, "-m", "sdslim_core.cli", "adapters", "fingerprint", str(out.relative_to(ROOT)),
+                    "--ckpt", str(tiny.DEFAULT_PATH.relative_to(ROOT)), "--out", str(tmp.relative_to(ROOT))],
+                   cwd=ROOT, check=True)
+    os.replace(tmp, out)
+    entry = json.loads(MANIFEST.read_text())[out.name]
+    entry.pop("bytes"), entry.pop("sha256")
+    if "--add-fingerprint" not in entry["command"]:
+        entry["command"] += "\npython tools/train_tiny_adapters.py --add-fingerprint   # the base fingerprint, added later"
+    record_asset(out, entry)
+    print(f"wrote {out}: the base fingerprint of {tiny.DEFAULT_PATH.name} added")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from torch import nn
 from . import swap
 from .. import layout
 from ..io.adapters import AdapterSet
-from ..ops import fold
+from ..ops import fingerprint, fold
+from ..ops.fingerprint import Distance
 from ..ops.lora import apply_deltas, module_parts
 from ..ops.lora_slim import SlimSpace
 from .layers import LayerError, resize_like
@@ -46,6 +47,7 @@ class SwapReport:
     bytes_after: int       # parameter bytes of the slim layers
     cached: bool           # the folded layers came from the cache (no fold was computed)
     seconds: float
+    distance: Distance | None = None   # of the folded weights from the adapters' base (None: no base fingerprint)
 
     @property
     def bytes_saved(self) -> int:
@@ -289,6 +291,10 @@ class LiveSlim:
         paths = self.layer_paths(adapter_set)
         originals = {p: self.unet.get_submodule(p) for p in paths}
         folded, on_device, full_shapes = {}, {}, {}
+        try:
+            meter = fingerprint.DistanceMeter(adapter_set.metadata.get("sdslim.base") or {})
+        except fingerprint.FingerprintError:
+            meter = None
         with torch.no_grad():
             for site in adapter_set.sites:     # one site at a time: only its weights visit compute_device
                 weights = {}
@@ -296,6 +302,8 @@ class LiveSlim:
                     if path.startswith(site + "."):
                         weights.update(_read(layer, path, merge, unmerge, read))
                 full_shapes.update({k: tuple(v.shape) for k, v in weights.items()})
+                for k, v in weights.items() if meter is not None else ():
+                    meter.add(site, k, v)
                 home = next(iter(weights.values())).device
                 dev = torch.device(compute_device) if compute_device is not None else home
                 if dev not in on_device:
@@ -315,7 +323,8 @@ class LiveSlim:
         before = sum(param_bytes(originals[p]) for p in layers)
         after = sum(param_bytes(m) for m in layers.values())
         space = SlimSpace(adapter_set, full_shapes)
-        return layers, SwapReport(len(adapter_set.sites), len(layers), before, after, False, 0.0), space
+        return layers, SwapReport(len(adapter_set.sites), len(layers), before, after, False, 0.0,
+                                  meter.result() if meter is not None else None), space
 
     def _install(self, layers: dict[str, nn.Module], offload: bool):
         self._offload = offload

@@ -110,7 +110,8 @@ class DistanceMeter:
             self._missing.add(site)
             return
         b = decode(ref)
-        self._num[site] = self._num.get(site, 0.0) + float(((sketch(key, t) - b) ** 2).sum())
+        mine = sketch(key, t).to(torch.float32).to(torch.float64)      # rounded as the stored sketch was
+        self._num[site] = self._num.get(site, 0.0) + float(((mine - b) ** 2).sum())
         self._den[site] = self._den.get(site, 0.0) + float((b ** 2).sum())
 
     def result(self) -> Distance:

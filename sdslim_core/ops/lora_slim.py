@@ -169,6 +169,28 @@ class SlimSpace:
         return self._cached[1]
 
 
+class DeferredSlimSpace:
+    """The :class:`SlimSpace` of a slim model whose adapters are looked for only when a LoRA on a folded layer needs
+    them. ``roles`` (which layers the fold changed) comes from the model's own record, ``ranks`` (site → rank);
+    everything else is the space ``resolve()`` returns, made on first use (its error, e.g. the adapter file not
+    found, is raised to the caller and tried again next time)."""
+
+    def __init__(self, ranks: Mapping[str, int], resolve: Callable[[], SlimSpace]):
+        self.roles = {module: (site, role) for site in ranks
+                      for module, role in fold.layer_roles(site, layout.site_kind(site)).items()}
+        self._resolve, self._space = resolve, None
+
+    def resolved(self) -> SlimSpace:
+        if self._space is None:
+            self._space = self._resolve()
+        return self._space
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.resolved(), name)
+
+
 def _loha_as_lora(mod: LoraModule, full: tuple, dt: torch.dtype) -> LoraModule:
     """A plain LoHa as the LoRA it equals: (W1a·W1b)⊙(W2a·W2b) = U·V with U = W1a•W2a (row-wise Kronecker,
     [out, k1·k2]) and V = W1bᵀ•W2bᵀ transposed ([k1·k2, in]); scale α/k1 kept. Conv factors get conv shapes."""

@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 
 from ...io.adapters import AdapterSet
 from ...io.files import format_bytes, sha256_file
+from ...ops.fingerprint import WARN_DISTANCE
 
 INFOTEXT_KEY = "SD Slim"
 VRAM_KEY = "SD Slim VRAM"
@@ -151,6 +152,20 @@ def fold_text(sites: int, layers: int, saved_bytes: int, seconds: float | None) 
     """The console line of one sampler pass: a fold that took ``seconds``, or (None) cached slim layers."""
     what = f"{sites} sites ({layers} layers, {format_bytes(saved_bytes)} saved)"
     return f"cached: {what}, no fold" if seconds is None else f"folded {what} in {seconds:.1f} s"
+
+
+def distance_text(distance) -> tuple[str | None, str | None]:
+    """(console line, infotext warning or None) for how far the loaded checkpoint's folded weights are from the
+    adapters' base (a :class:`~sdslim_core.ops.fingerprint.Distance`; (None, None) when the adapter file has no
+    base fingerprint)."""
+    if distance is None:
+        return None, None
+    worst = ", ".join(f"{s} {v:.0%}" for s, v in distance.worst())
+    line = f"this checkpoint is {distance.overall:.1%} from the adapters' base (largest: {worst})"
+    if distance.overall <= WARN_DISTANCE:
+        return line, None
+    return line, (f"checkpoint {distance.overall:.0%} from the adapters' base (past {WARN_DISTANCE:.0%}): "
+                  "adapters refitted on it keep more (SD Slim tab, start from adapters)")
 
 
 def lora_text(modules: int, tensors: int, forms: dict, seconds: float | None) -> str:

@@ -31,3 +31,13 @@ def test_demo_end_to_end(tmp_path):
     with Image.open(tmp_path / "grid.png") as im:
         assert im.size[1] > 4 * 32 and im.size[0] > 2 * 32   # 4 rows × 2 prompts of 32-px images, upscaled
     assert torch.isfinite(torch.tensor(s["fidelity"]["eps_rel_error"]))
+    # sizes are those of the files on disk: the slim checkpoint is smaller than its source, its UNet part is the
+    # fp16 slim parameters, and the alternatives' UNet bytes are those of the files their writers make
+    files = {r["file"]: r for r in s["files"]}
+    source, slim_file = files[tiny.DEFAULT_PATH.name], files["tiny_slim.safetensors"]
+    assert slim_file["total"] == (tmp_path / "tiny_slim.safetensors").stat().st_size < source["total"]
+    assert slim_file["unet"] == 2 * s["model"]["params_slim"] and source["unet"] == 2 * s["model"]["params_original"]
+    assert slim_file["adapters"] == 0 and slim_file["vae"] == source["vae"] > 0
+    q4 = next(a for a in s["alternatives"] if a["row"] == "q4_0")
+    assert q4["unet_bytes"] == files["tiny-Q4_0.gguf"]["unet"] > files["tiny_slim-Q4_0.gguf"]["unet"]
+    assert "tiny_slim.safetensors" in (tmp_path / "summary.md").read_text()

@@ -122,6 +122,6 @@ def test_ladder_puts_the_alternatives_beside_the_slim_model(weights, tmp_path, m
     assert rows["q8_0"]["eps_rel_error"] < rows["q4_0"]["eps_rel_error"] and rows["q4_0"]["eps_rel_error"] > 0
     assert all(-1 - 1e-9 <= rows[k]["controlnet_effect_cosine"] <= 1 + 1e-9 for k in rows)
     text = evaluate.format_result(r)
-    assert "| q4_0 |" in text and "synthetic ControlNet-like residuals" in text
+    assert "| q4_0 |" in text and "ControlNet cos (synthetic)" in text
     with pytest.raises(ValueError, match="--compare"):
         evaluate.evaluate(DEFAULT_PATH, identity(weights), seeds=1, steps=2, compare=["q2_k"])

@@ -50,3 +50,22 @@ def test_a_diffusers_folder_by_subfolder(tmp_path):
     (tmp_path / "model_index.json").write_bytes(b"{}")
     got = sizes.file_size(tmp_path)
     assert (got.parts["unet"], got.parts["vae"], got.parts["text_encoders"], got.parts["other"]) == (1000, 300, 210, 7)
+
+
+def test_the_ladders_unet_bytes_are_the_unet_part_of_each_formats_file(tmp_path):
+    """`quant.storage_bytes` (eval's and the demo's UNet bytes) against the files sdslim writes: fp16 slim, fp8 slim,
+    GGUF Q4_0 slim, read back from disk."""
+    pytest.importorskip("gguf")
+    from sdslim_core.apps.slim import slim_checkpoint
+    from sdslim_core.io.adapters import AdapterSet
+    from sdslim_core.ops import fold, quant
+    half = tiny.ASSETS / "tiny_sd15_slim_half.safetensors"
+    lazy = LazyStateDict(tiny.DEFAULT_PATH)
+    weights = {k: v.float() for k, v in layout.to_canonical({k: lazy[k] for k in lazy})[0].items()
+               if k.split(".", 1)[0] in layout.UNET_TOP_MODULES}
+    slim_w = {**weights, **fold.fold_state_dict(weights, AdapterSet.load(half))}
+    for name, kwargs, method in (("s.safetensors", {}, None),
+                                 ("s8.safetensors", {"weight_dtype": torch.float8_e4m3fn}, "fp8"),
+                                 ("s.gguf", {"quant": "Q4_0"}, "q4_0")):
+        res = slim_checkpoint(tiny.DEFAULT_PATH, half, tmp_path / name, **kwargs)
+        assert sizes.file_size(res.out).parts["unet"] == quant.storage_bytes(slim_w, method), name

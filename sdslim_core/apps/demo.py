@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 from . import fidelity
+from .slim import slim_checkpoint
 from .. import optional, tiny
+from ..io.sizes import file_size
 from ..modules import swap
 from ..ops import breakdown, fold, lora, quant
 from ..ops.sampling import diffusers_fn
@@ -158,7 +160,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
             continue
         model, model_lora, w = cands.slim(aset, "fp8") if what == "slim+fp8" else cands.quantised(what)
         r = fidelity.compare(probe, ref, model, model_lora)
-        alternatives.append({"row": what, "weight_bytes": quant.storage_bytes(w, "fp8" if what == "slim+fp8" else what),
+        alternatives.append({"row": what, "unet_bytes": quant.storage_bytes(w, "fp8" if what == "slim+fp8" else what),
                              "flops_ratio": fidelity.forward_flops(diffusers_fn(model), *flop_args) / teacher_flops,
                              **{k: r.get(k) for k in ("image_psnr_db", "image_ssim", "eps_rel_error",
                                                       "lora_effect_cosine", "controlnet_effect_cosine")}})
@@ -170,7 +172,10 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
               "slim+ControlNet": gen(slim, control)}
     lap("sampling", t0)
 
-    # 5. summary ----------------------------------------------------------------------------------------------------
+    # 5. the files a user gets: sizes on disk, by part ----------------------------------------------------------------
+    files = _write_files(out, adapter_path)
+
+    # 6. summary ----------------------------------------------------------------------------------------------------
     bg = batch.bg
     green = tiny_data.colour_index("green")
     fg_green = {k: (tiny_data.nearest_colour(v) == green).float().mean().item() for k, v in images.items()}
@@ -179,7 +184,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     summary = {
         "model": {"family": cfg.family, "structure": "SD1.5 blocks, scaled down", "ratio": ratio,
                   "params_original": n_teacher, "params_slim": n_slim, "params_ratio": n_slim / n_teacher,
-                  "weight_bytes_fp16_original": 2 * n_teacher, "weight_bytes_fp16_slim": 2 * n_slim,
+                  "unet_file_bytes_original": files[0]["unet"], "unet_file_bytes_slim": files[1]["unet"],
                   "flops_ratio": fidelity.forward_flops(diffusers_fn(slim), *flop_args) / teacher_flops,
                   "ranks": aset.ranks(), "breakdown_original": original_rows, "breakdown_slim": slim_rows},
         "fidelity": {"eps_rel_error": fid["eps_rel_error"], "guided_eps_rel_error": fid["guided_eps_rel_error"],
@@ -197,6 +202,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
                        "image_psnr_db_slim_vs_teacher": fidelity.psnr(images["slim+ControlNet"],
                                                                       images["teacher+ControlNet"], 1.0)},
         "alternatives": alternatives,
+        "files": files,
         "latency": _latency_ratio(pipe.unet, slim, *flop_args,
                                   repeats=3 if fast else 7),
         "training": result.report.to_dict(),
@@ -215,6 +221,25 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     return summary
 
 
+def _write_files(out: Path, adapter_path: Path) -> list[dict]:
+    """Write what ``sdslim slim`` makes of the tiny teacher with the demo's adapters (the default slim checkpoint,
+    and GGUF Q4_0 slim and plain when the gguf package is there) and return every file's size by part, the source
+    first; the embedded-adapters variant's size is the default's plus what ``--embed-adapters`` would add."""
+    rows = [{"file": tiny.DEFAULT_PATH.name, **file_size(tiny.DEFAULT_PATH).to_dict()}]
+    res = slim_checkpoint(tiny.DEFAULT_PATH, adapter_path, out / "tiny_slim.safetensors")
+    rows.append({"file": res.out.name, **res.file.to_dict()})
+    rows.append({"file": res.out.name + " with --embed-adapters (not written)",
+                 **{**res.file.to_dict(), "total": res.file.total + res.embed_bytes, "adapters": res.embed_bytes}})
+    why = optional.missing("gguf", "the demo's GGUF files")
+    if why:
+        _log(f"{why}; skipping them")
+        return rows
+    for aset_path, name in ((adapter_path, "tiny_slim-Q4_0.gguf"), (None, "tiny-Q4_0.gguf")):
+        res = slim_checkpoint(tiny.DEFAULT_PATH, aset_path, out / name, quant="Q4_0")
+        rows.append({"file": name, **res.file.to_dict()})
+    return rows
+
+
 def summary_markdown(s: dict) -> str:
     m, f, lo, c, lat = s["model"], s["fidelity"], s["lora"], s["controlnet"], s["latency"]
     lines = [
@@ -223,8 +248,8 @@ def summary_markdown(s: dict) -> str:
         f"per site by measured error.", "",
         "| quantity | original | slim | ratio |", "|---|---|---|---|",
         f"| UNet params | {m['params_original']:,} | {m['params_slim']:,} | {m['params_ratio']:.3f} |",
-        f"| fp16 weight bytes | {m['weight_bytes_fp16_original']:,} | {m['weight_bytes_fp16_slim']:,} | "
-        f"{m['params_ratio']:.3f} |",
+        f"| UNet bytes in the file (fp16) | {m['unet_file_bytes_original']:,} | {m['unet_file_bytes_slim']:,} | "
+        f"{m['unet_file_bytes_slim'] / m['unet_file_bytes_original']:.3f} |",
         f"| UNet forward FLOPs | | | ×{m['flops_ratio']:.3f} |",
         f"| UNet forward (CPU, CFG batch) | {lat['teacher_ms']:.1f} ms | {lat['slim_ms']:.1f} ms | "
         f"×{lat['speedup']:.2f} faster |", "",
@@ -244,12 +269,17 @@ def summary_markdown(s: dict) -> str:
         f"{c['mask_iou']['teacher+ControlNet']:.3f} |",
         f"| mask IoU slim → slim+ControlNet | {c['mask_iou']['slim']:.3f} → {c['mask_iou']['slim+ControlNet']:.3f} |",
         "", "What users pick instead, same teacher, seeds and prompts:", "",
-        "| row | weight bytes | FLOPs × | image PSNR dB | SSIM | LoRA cos | ControlNet cos |", "|---|---|---|---|---|---|---|",
-        f"| slim (this run) | {m['weight_bytes_fp16_slim']:,} | {m['flops_ratio']:.3f} | {f['image_psnr_db']:.2f} | "
+        "| row | UNet bytes (in its file) | FLOPs × | image PSNR dB | SSIM | LoRA cos | ControlNet cos |",
+        "|---|---|---|---|---|---|---|",
+        f"| slim (this run) | {m['unet_file_bytes_slim']:,} | {m['flops_ratio']:.3f} | {f['image_psnr_db']:.2f} | "
         f"{f['image_ssim']:.4f} | {lo['effect_cosine_eps']:.4f} | {c['effect_cosine_eps']:.4f} |",
-        *[f"| {a['row']} | {a['weight_bytes']:,} | {a['flops_ratio']:.3f} | {a['image_psnr_db']:.2f} | "
+        *[f"| {a['row']} | {a['unet_bytes']:,} | {a['flops_ratio']:.3f} | {a['image_psnr_db']:.2f} | "
           f"{a['image_ssim']:.4f} | {a['lora_effect_cosine']:.4f} | {a['controlnet_effect_cosine']:.4f} |"
           for a in s["alternatives"]],
+        "", "The files (written by `sdslim slim`; bytes on disk, by part):", "",
+        "| file | bytes | UNet | adapters | text encoders | VAE |", "|---|---|---|---|---|---|",
+        *[f"| {r['file']} | {r['total']:,} | {r['unet']:,} | {r['adapters']:,} | {r['text_encoders']:,} | "
+          f"{r['vae']:,} |" for r in s["files"]],
         "", "Memory (this machine, after the run):", "```", s["memory_text"], "```",
         f"Timings (s): {s['timings_s']}",
     ]

@@ -37,6 +37,7 @@ import torch
 
 from .. import layout
 from ..io.adapters import AdapterSet
+from ..io.sizes import file_size
 from ..io.tensors import FileFormatError, LazyStateDict, read_header
 from ..modules.unet import load_diffusers_unet, open_checkpoint
 from ..ops import quant, sampling
@@ -362,8 +363,9 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
         "latent_psnr_db": {"mean": _mean(d["latent_psnr_db"]), "min": min(d["latent_psnr_db"]),
                            "per_seed": d["latent_psnr_db"]},
         "ladder": rows,
-        "controlnet_note": "ControlNet effect: synthetic ControlNet-like residuals (smooth random fields at each "
-                           "skip feature's RMS scale), the same for every row",
+        "controlnet_note": "ControlNet cos (synthetic): ControlNet-like residuals (smooth random fields at each "
+                           "skip feature's RMS scale), the same for every row; no real ControlNet was given",
+        "source_file": file_size(ckpt).to_dict(),
     }
     if setup.decode is not None:
         image = {"psnr_db": _mean(d["image_psnr_db"]), "ssim": _mean(d["image_ssim"]),
@@ -391,8 +393,8 @@ def format_ladder(rows: list) -> str:
     """The ladder rows as a Markdown table."""
     def f(v, spec):
         return "–" if v is None else ("inf" if v == math.inf else format(v, spec))
-    out = ["| row | params × | weight MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM "
-           "| ε rel err | guided ε err | LoRA cos | ControlNet cos |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| row | params × | UNet MB | FLOPs × | latent PSNR dB | image PSNR dB | median image PSNR dB | SSIM "
+           "| ε rel err | guided ε err | LoRA cos | ControlNet cos (synthetic) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['row']} | {r['params_ratio']:.3f} | {r['weight_bytes'] / 1e6:.1f} | {r['flops_ratio']:.2f} "
                    f"| {f(r['latent_psnr_db'], '.1f')} | {f(r['image_psnr_db'], '.1f')} "
@@ -424,8 +426,11 @@ def format_result(r: dict) -> str:
         c = r["lora_effect_cosine"]
         lines.append(f"LoRA effect cosine: mean {c['mean']:.4f}, min {c['min']:.4f}")
         lines += [f"warning: {w}" for w in r.get("warnings", [])]
-    lines += ["", "fidelity ladder (same seeds; weight MB in each format's own storage):", format_ladder(r["ladder"]),
-              r["controlnet_note"]]
+    src = r["source_file"]
+    lines += ["", "fidelity ladder (same seeds). UNet MB: the UNet tensors as each format's file stores them (a slim "
+              "checkpoint or fp8 file adds the text encoders and VAE, "
+              f"{(src['text_encoders'] + src['vae']) / 1e6:.1f} MB here; a GGUF file holds the UNet only):",
+              format_ladder(r["ladder"]), r["controlnet_note"]]
     return "\n".join(lines)
 
 

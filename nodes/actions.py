@@ -1,7 +1,9 @@
 """What each node does when it runs (imported on first run; ComfyUI is present)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import torch
 
@@ -9,11 +11,12 @@ import comfy.model_management
 import comfy.utils
 import folder_paths
 
+from sdslim_core.io.adapter_lookup import HashIndex
 from sdslim_core.io.adapters import AdapterSet
 from sdslim_core.io.files import format_bytes
 from sdslim_core.io.slim_checkpoint import site_reader
 
-from . import folding, monitor, paths, report
+from . import folding, monitor, paths, report, saving
 from .specs import Result
 
 log = logging.getLogger("sdslim")
@@ -31,9 +34,29 @@ def slim(model, adapters: str, strength: float, enable: bool) -> Result:
     bar = comfy.utils.ProgressBar(len(aset.sites))
     out = folding.slim_patcher(model, aset, progress=lambda done, total: bar.update_absolute(done, total),
                                site_tensors=site_reader(path, aset))
+    origin = {"file": os.path.basename(path), "sha256": HashIndex().sha256(path), "sites": len(aset.sites),
+              "select": strength}
+    out.model.sdslim_info = dataclasses.replace(out.model.sdslim_info,
+                                                record=saving.slim_record(out, aset, origin))
     log.info("sdslim: folded %d sites from %s; UNet %s -> %s", len(aset.sites), adapters,
              format_bytes(model.model_size()), format_bytes(out.model_size()))
     return Result((out,))
+
+
+def save_slim_checkpoint(model, filename: str, destination: str, overwrite: bool = False,
+                         embed_adapters: bool = False, clip=None, vae=None) -> Result:
+    path, size = saving.save_checkpoint(model, filename, destination, clip=clip, vae=vae, overwrite=overwrite,
+                                        embed_adapters=embed_adapters)
+    log.info("sdslim: wrote %s: %s", path, size)
+    return Result((), text=f"wrote {path}: {size}")
+
+
+def save_slim_gguf(model, filename: str, quant: str, overwrite: bool = False, embed_adapters: bool = False) -> Result:
+    bar = comfy.utils.ProgressBar(1)
+    path, size = saving.save_gguf(model, filename, quant, overwrite=overwrite, embed_adapters=embed_adapters,
+                                  progress=lambda done, total: bar.update_absolute(done, total))
+    log.info("sdslim: wrote %s: %s", path, size)
+    return Result((), text=f"wrote {path}: {size}")
 
 
 def load_slim_checkpoint(ckpt_name: str) -> Result:

@@ -53,6 +53,7 @@ class SlimInfo:
     slim_keys: frozenset               # canonical keys whose shape changed
     space: object = None               # lora_slim.SlimSpace of the folded adapters (None: LoRAs cannot be converted)
     distance: object = None            # fingerprint.Distance of the folded weights from the adapters' base, if known
+    record: dict = dataclasses.field(default_factory=dict)   # the sdslim.* metadata a saved file of it carries
 
 
 GGUF_INSTEAD = ("Slim the model's original .safetensors and write it as GGUF once instead: `sdslim slim --ckpt "

@@ -118,7 +118,8 @@ def load(path: str):
     model.model.sdslim_info = folding.SlimInfo(
         family=meta["sdslim.family"], adapters=paths.adapter_origin(path, meta), ranks=ranks, full_shapes=full,
         slim_keys=frozenset(k for k, s in stored.items() if tuple(full[k]) != s),
-        space=lora_slim.DeferredSlimSpace(ranks, space))
+        space=lora_slim.DeferredSlimSpace(ranks, space),
+        record={k: v for k, v in meta.items() if k not in ("sdslim.adapter_tensors", io_gguf.QUANT_KEY)})
     model.__class__ = patches.slim_class(type(model))
     monitor.install(model)
     return model

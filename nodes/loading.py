@@ -84,7 +84,8 @@ def _model(path: str, sd: dict, metadata: dict):
         return lora_slim.SlimSpace(aset, full, site_tensors)
     base.sdslim_info = folding.SlimInfo(family=meta["sdslim.family"], adapters=paths.adapter_origin(path, meta),
                                         ranks=ranks, full_shapes=full, slim_keys=frozenset(slim_keys),
-                                        space=lora_slim.DeferredSlimSpace(ranks, space))
+                                        space=lora_slim.DeferredSlimSpace(ranks, space),
+                                        record={k: v for k, v in meta.items() if k != slim_checkpoint.ADAPTER_KEY})
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=load_device, offload_device=mm.unet_offload_device())
     patcher.__class__ = patches.slim_class(type(patcher))
     monitor.install(patcher)

@@ -10,6 +10,7 @@ import importlib
 from typing import Callable
 
 CATEGORY = "sdslim"
+DESTINATIONS = ("checkpoints", "output")     # where Save Slim Checkpoint writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,40 @@ LOAD_GGUF = NodeSpec(
     (Out("MODEL", "MODEL", "the slim model"),),
     "load_slim_gguf")
 
+def _gguf_types() -> list:
+    from sdslim_core.io.gguf import WRITE_TYPES
+    return list(WRITE_TYPES)
+
+
+SAVE_SLIM = NodeSpec(
+    "SdslimSaveSlimCheckpoint", "Save Slim Checkpoint (sdslim)",
+    "Writes a slim MODEL (with the LoRAs on it) and, when connected, its CLIP and VAE as a slim checkpoint that "
+    "Load Slim Checkpoint reads, like ComfyUI's Save Checkpoint. The file records its adapter file by sha256 (a "
+    "LoRA after it finds the file in models/sdslim); embed_adapters stores them in it instead (fp16, one file to "
+    "share). Written atomically; an existing file is kept unless overwrite is on.",
+    (In("model", "MODEL", tooltip="a slim MODEL: from Slim UNet, Load Slim Checkpoint or Load Slim GGUF's fp16 path"),
+     In("filename", "STRING", "slim/my_model_slim", tooltip="file name (subfolders allowed); .safetensors added"),
+     In("destination", "COMBO", options=lambda: list(DESTINATIONS),
+        tooltip="models/checkpoints (Load Slim Checkpoint lists it) or ComfyUI's output folder"),
+     In("overwrite", "BOOLEAN", False, tooltip="replace an existing file of that name"),
+     In("embed_adapters", "BOOLEAN", False, tooltip="store the adapter tensors in the file (fp16)"),
+     In("clip", "CLIP", optional=True), In("vae", "VAE", optional=True)),
+    (),
+    "save_slim_checkpoint", output_node=True)
+
+SAVE_GGUF = NodeSpec(
+    "SdslimSaveSlimGGUF", "Save Slim GGUF (sdslim)",
+    "Writes a slim MODEL's UNet (with the LoRAs on it) as a .gguf in models/unet that Load Slim GGUF reads, "
+    "quantised by the gguf package from the weights as ComfyUI holds them. K-quants need llama.cpp: write F16 and "
+    "quantise it with ComfyUI-GGUF's tools. Written atomically; an existing file is kept unless overwrite is on.",
+    (In("model", "MODEL", tooltip="a slim MODEL (Slim UNet or Load Slim Checkpoint; not a GGUF one)"),
+     In("filename", "STRING", "slim/my_model_slim-Q4_0", tooltip="file name in models/unet; .gguf added"),
+     In("quant", "COMBO", options=_gguf_types, tooltip="GGUF type of the large UNet tensors"),
+     In("overwrite", "BOOLEAN", False, tooltip="replace an existing file of that name"),
+     In("embed_adapters", "BOOLEAN", False, tooltip="store the adapter tensors in the file (Q8_0)")),
+    (),
+    "save_slim_gguf", output_node=True)
+
 TRAIN = NodeSpec(
     "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
     "Distils slim adapters for this MODEL and saves them to models/sdslim (resumable: run again to continue).",
@@ -171,4 +206,4 @@ TINY_DEMO = NodeSpec(
      Out("CONTROL_NET", "CONTROL_NET", "mask ControlNet: white shape on black (image channels are averaged)")),
     "tiny_demo")
 
-SPECS = (SLIM, LOAD_SLIM, LOAD_GGUF, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)
+SPECS = (SLIM, LOAD_SLIM, LOAD_GGUF, SAVE_SLIM, SAVE_GGUF, TRAIN, VRAM_REPORT, VRAM_MONITOR, BREAKDOWN, TINY_DEMO)

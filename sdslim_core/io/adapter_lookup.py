@@ -20,13 +20,13 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
+from .adapters import FORMAT
 from .files import atomic_path, read_raw_header, sha256_file
 
 ENV_PATH = "SDSLIM_ADAPTER_PATH"
 ENV_CONFIG = "SDSLIM_CONFIG"
 ENV_CACHE = "SDSLIM_CACHE_DIR"
 INDEX_FILE = "adapter_hashes.json"
-_FORMAT = "sdslim-adapters"
 _RANK_TENSORS = (".down_value", ".down")
 
 
@@ -128,7 +128,7 @@ def header_ranks(path) -> tuple[str | None, dict]:
     except (OSError, ValueError):
         return None, {}
     meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or meta.get("sdslim.format") != _FORMAT:
+    if not isinstance(meta, dict) or meta.get("sdslim.format") != FORMAT:
         return None, {}
     ranks = {}
     for key, entry in header.items():

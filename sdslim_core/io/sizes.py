@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .. import layout
+from .adapters import FORMAT as ADAPTER_FORMAT
 from .files import HeaderError, format_bytes, read_raw_header
 from .tensors import FileFormatError
 
@@ -38,7 +39,8 @@ class FileSize:
 
 
 def file_size(path) -> FileSize:
-    """The :class:`FileSize` of a ``.safetensors`` or ``.gguf`` file, or of a diffusers folder."""
+    """The :class:`FileSize` of a ``.safetensors`` or ``.gguf`` file (an adapter file: all adapters), or of a
+    diffusers folder."""
     path = Path(path)
     if path.is_dir():
         return _folder(path)
@@ -50,10 +52,11 @@ def file_size(path) -> FileSize:
         raise FileFormatError(f"{path}: {err}") from None
     parts = dict.fromkeys(PARTS, 0)
     parts["header"] = 8 + n
+    adapter_file = (header.get("__metadata__") or {}).get("sdslim.format") == ADAPTER_FORMAT
     for key, entry in header.items():
         if key != "__metadata__":
             start, end = entry["data_offsets"]
-            parts[layout.file_part(key)] += end - start
+            parts["adapters" if adapter_file else layout.file_part(key)] += end - start
     parts["other"] += size - sum(parts.values())          # padding or trailing bytes, if any
     return FileSize(str(path), size, parts)
 

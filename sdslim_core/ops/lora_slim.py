@@ -162,6 +162,10 @@ class SlimSpace:
         k = t["hada_w1_b"].shape[0] * t["hada_w2_b"].shape[0]
         return k * (rows + cols) <= rows * cols
 
+    def site_tensors(self, site: str) -> Mapping[str, torch.Tensor]:
+        """``site``'s adapter tensors (read again each call when they come from a file)."""
+        return self._site_tensors(site)
+
     def _adapter(self, site: str) -> Mapping[str, torch.Tensor]:
         if self._cached[0] != site:                            # the last site read (modules come grouped by site)
             self._cached = (None, None)

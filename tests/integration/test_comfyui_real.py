@@ -168,8 +168,9 @@ def _inputs(seed=3):
 def test_registration_v3_v1_and_folder(comfy, adapter_dir):
     classes = _v3_classes(comfy)
     ids = {c.define_schema().node_id for c in classes}
-    assert ids == {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimLoadSlimGGUF", "SdslimTrainAdapters", "SdslimVramReport",
-                   "SdslimVramMonitor", "SdslimUNetBreakdown", "SdslimTinyDemo"}
+    assert ids == {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimLoadSlimGGUF", "SdslimSaveSlimCheckpoint",
+                   "SdslimSaveSlimGGUF", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor",
+                   "SdslimUNetBreakdown", "SdslimTinyDemo"}
     slim_schema = _node(comfy, "SdslimSlimUNet").GET_SCHEMA() if hasattr(classes[0], "GET_SCHEMA") else None
     assert slim_schema is None or slim_schema.node_id == "SdslimSlimUNet"
     v1, names = comfy["pack"].nodes.entry.v1_mappings()
@@ -809,8 +810,9 @@ class _TinySD15:
 
 def test_load_slim_checkpoint_gives_the_slim_unet_and_takes_loras(comfy, tiny, intercept_adapters, lora_files,
                                                                  adapter_dir, tmp_path, monkeypatch):
-    """A slim checkpoint written by `sdslim slim` (adapters embedded), which ComfyUI's own loader cannot open:
-    the node's MODEL equals Slim UNet's, and LoRAs after it equal LoRAs folded in first."""
+    """A slim checkpoint written by `sdslim slim` (its adapter file recorded by sha256, known to the hash index),
+    which ComfyUI's own loader cannot open: the node's MODEL equals Slim UNet's, and LoRAs after it equal LoRAs
+    folded in first."""
     from safetensors.torch import save_file
 
     from sdslim_core.apps import slim as core_slim
@@ -843,6 +845,100 @@ def test_load_slim_checkpoint_gives_the_slim_unet_and_takes_loras(comfy, tiny, i
                                    rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="not a slim checkpoint"):
         node.execute(ckpt_name="plain.safetensors")
+
+
+def _tiny_detection(comfy, monkeypatch, tmp_path):
+    sm = comfy["supported_models"]
+    monkeypatch.setattr(sm, "models", [type("TinySD15", (sm.SD15,), {"unet_config": _TinySD15.unet_config})]
+                        + list(sm.models))
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir(exist_ok=True)
+    comfy["folder_paths"].add_model_folder_path("checkpoints", str(ckpts), is_default=True)
+    return ckpts
+
+
+def test_load_slim_checkpoint_finds_its_adapter_file_by_hash_in_models_sdslim(comfy, tiny, intercept_adapters,
+                                                                             lora_files, adapter_dir, tmp_path,
+                                                                             monkeypatch):
+    """Another machine (an empty hash index): the slim file's adapter file, renamed, in a models/sdslim folder of
+    extra_model_paths.yaml, is found by its sha256 when the first LoRA comes; without it, loading and sampling
+    work and a LoRA on a folded layer stops with one message naming the sha256 and the recorded name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from sdslim_core.apps import slim as core_slim
+    patcher, weights = tiny
+    ckpts = _tiny_detection(comfy, monkeypatch, tmp_path)
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()},
+              str(ckpts / "plain2.safetensors"))
+    core_slim.slim_checkpoint(ckpts / "plain2.safetensors", adapter_dir / intercept_adapters,
+                              ckpts / "slim_by_hash.safetensors")
+    monkeypatch.setenv("SDSLIM_CACHE_DIR", str(tmp_path / "empty-index"))
+    shelf = tmp_path / "yaml_sdslim"
+    shelf.mkdir()
+    shutil.copy(adapter_dir / intercept_adapters, shelf / "renamed.safetensors")
+    table = comfy["folder_paths"].folder_names_and_paths
+    saved = table["sdslim"]
+    monkeypatch.setitem(table, "sdslim", ([str(tmp_path / "no_such_folder"), str(shelf)], saved[1]))
+    node = _node(comfy, "SdslimLoadSlimCheckpoint")
+    model, _, _ = node.execute(ckpt_name="slim_by_hash.safetensors").args
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    x, t, ctx = _inputs()
+    (after,) = loader.load_lora_model_only(model, "lora.safetensors", 0.9)
+    (before,) = loader.load_lora_model_only(patcher, "lora.safetensors", 0.9)
+    torch.testing.assert_close(_run(after, x, t, ctx), _run(_slim(comfy, before, intercept_adapters), x, t, ctx),
+                               rtol=1e-4, atol=1e-5)
+    (shelf / "renamed.safetensors").unlink()
+    monkeypatch.setenv("SDSLIM_CACHE_DIR", str(tmp_path / "empty-index-2"))
+    model, _, _ = node.execute(ckpt_name="slim_by_hash.safetensors").args
+    _sample(comfy, model)                                        # sampling needs no adapter file
+    sha = model.model.sdslim_info.record["sdslim.adapters"]["sha256"]
+    with pytest.raises(ValueError) as err:
+        loader.load_lora_model_only(model, "lora.safetensors", 0.9)
+    assert sha in str(err.value) and intercept_adapters in str(err.value) and "merge the LoRA before" in str(err.value)
+    assert str(shelf) in str(err.value)
+
+
+def test_save_slim_checkpoint_writes_what_load_slim_checkpoint_reads(comfy, tiny, intercept_adapters, lora_files,
+                                                                    adapter_dir, tmp_path, monkeypatch):
+    """Slim UNet → a LoRA → Save Slim Checkpoint → Load Slim Checkpoint: the same model, its record, no adapter
+    tensors unless asked; an existing file is kept unless overwrite; a MODEL that is not slim is refused."""
+    from sdslim_core.io.sizes import file_size
+    from sdslim_core.io.tensors import read_header
+    patcher, _ = tiny
+    ckpts = _tiny_detection(comfy, monkeypatch, tmp_path)
+    (lora_model,) = comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(_slim(comfy, patcher, intercept_adapters),
+                                                                             "lora.safetensors", 0.7)
+    save = _node(comfy, "SdslimSaveSlimCheckpoint")
+    save.execute(model=lora_model, filename="sub/saved", destination="checkpoints", overwrite=False,
+                 embed_adapters=False)
+    path = ckpts / "sub" / "saved.safetensors"
+    assert path.is_file()
+    entries, meta = read_header(path)
+    assert meta["sdslim.slim"] == "1" and not [k for k in entries if k.startswith("sdslim.")]
+    assert json.loads(meta["sdslim.adapters"])["file"] == intercept_adapters
+    assert json.loads(meta["sdslim.loras"])[-1]["applied"] == "in slim space"
+    assert file_size(path).parts["adapters"] == 0
+    model, _, _ = _node(comfy, "SdslimLoadSlimCheckpoint").execute(ckpt_name="sub/saved.safetensors").args
+    x, t, ctx = _inputs()
+    torch.testing.assert_close(_run(model, x, t, ctx), _run(lora_model, x, t, ctx), rtol=1e-5, atol=1e-6)
+    before = path.stat().st_mtime_ns
+    with pytest.raises(ValueError, match="exists; choose another file name, or set overwrite"):
+        save.execute(model=lora_model, filename="sub/saved", destination="checkpoints", overwrite=False,
+                     embed_adapters=False)
+    assert path.stat().st_mtime_ns == before
+    save.execute(model=lora_model, filename="sub/saved", destination="checkpoints", overwrite=True,
+                 embed_adapters=True)
+    entries, meta = read_header(path)
+    own = [k for k in entries if k.startswith("sdslim.adapters.")]
+    assert own and {entries[k][0] for k in own} == {torch.float16} and file_size(path).parts["adapters"] > 0
+    with pytest.raises(ValueError, match="not slim"):
+        save.execute(model=patcher, filename="plain", destination="output", overwrite=False, embed_adapters=False)
+    with pytest.raises(ValueError, match="not a file name inside"):
+        save.execute(model=lora_model, filename="../escape", destination="output", overwrite=False,
+                     embed_adapters=False)
+    assert not list(ckpts.glob("**/*.tmp")) and not list(ckpts.glob("**/.*.tmp"))
 
 
 # ---------------------------------------------------------------------------------- the shipped tiny demo

@@ -1,0 +1,135 @@
+"""Save Slim Checkpoint and Save Slim GGUF: a slim MODEL (with the LoRAs and patches on it) written as the files
+Load Slim Checkpoint and Load Slim GGUF read, from inside ComfyUI.
+
+Both go ComfyUI's way: ``comfy.model_management.load_models_gpu(..., force_patch_weights=True)`` puts every patch
+(LoRAs after Slim UNet are already in slim space) into the weights, as ComfyUI's own *Save Checkpoint* does; the
+checkpoint is ComfyUI's ``comfy.sd.save_checkpoint`` (its key names for the UNet, CLIP and VAE) with the slim
+model's ``sdslim.*`` record as metadata; the GGUF file is sdslim's writer (``io.gguf.write_unet``: the UNet only,
+bare LDM names, as ComfyUI-GGUF loads). Either is written to a temporary file that replaces the target only when
+complete, and an existing file is replaced only when asked. By default no adapter tensors are written: the file
+records the adapter file's sha256 and a later LoRA finds it (``embed_adapters``: stored as fp16, Q8_0 in GGUF).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import comfy.model_management
+import comfy.sd
+import comfy.utils
+import folder_paths
+
+from sdslim_core import layout
+from sdslim_core.io import gguf as io_gguf
+from sdslim_core.io.files import atomic_path
+from sdslim_core.io.sizes import file_size
+from sdslim_core.io.slim_checkpoint import ADAPTER_KEY, ADAPTER_PREFIX
+
+from . import folding
+
+
+
+def target(root: str, filename: str, suffix: str, overwrite: bool) -> str:
+    """``root/filename`` with ``suffix``; SlimError for a name that leaves ``root`` or an existing file unless
+    ``overwrite``."""
+    name = filename.strip().replace("\\", "/")
+    if not name or name.startswith("/") or ".." in name.split("/") or ":" in name:
+        raise folding.SlimError(f"sdslim: '{filename}' is not a file name inside {root} (no '..', no absolute path)")
+    if not name.lower().endswith(suffix):
+        name += suffix
+    path = os.path.join(root, *name.split("/"))
+    if os.path.isdir(path):
+        raise folding.SlimError(f"sdslim: {path} is a folder")
+    if os.path.exists(path) and not overwrite:
+        raise folding.SlimError(f"sdslim: {path} exists; choose another file name, or set overwrite to replace it")
+    return path
+
+
+def _info(model):
+    info = getattr(model.model, "sdslim_info", None)
+    if info is None or not info.record:
+        raise folding.SlimError("sdslim: this MODEL is not slim (connect the output of Slim UNet, Load Slim Checkpoint "
+                                "or Load Slim GGUF); ComfyUI's own Save Checkpoint saves a plain model")
+    return info
+
+
+def _record(model, info, embed: str | None) -> dict:
+    """The ``sdslim.*`` metadata of the file: the model's record, the patches on it, the embedded adapters."""
+    meta = dict(info.record)
+    patched = sorted(k for k in model.patches if model.patches[k])
+    if patched:
+        meta["sdslim.loras"] = list(meta.get("sdslim.loras") or []) + [
+            {"file": "ComfyUI weight patches on the slim model", "keys": len(patched), "applied": "in slim space"}]
+    meta["sdslim.adapters"] = {**(meta.get("sdslim.adapters") or {}), "embedded": embed}
+    if embed:
+        meta[ADAPTER_KEY] = ADAPTER_PREFIX
+    return meta
+
+
+def _adapter_tensors(info, dtype) -> dict:
+    """``sdslim.adapters.<site>.<tensor>`` → tensor of the folded sites, read from the adapter file (found by its
+    sha256 when the model came from a slim file)."""
+    space = info.space.resolved() if hasattr(info.space, "resolved") else info.space
+    if space is None:
+        raise folding.SlimError("sdslim: this slim MODEL has no adapters to embed")
+    out = {}
+    for site in space.adapters.sites:
+        for name, t in space.site_tensors(site).items():
+            out[f"{ADAPTER_PREFIX}{site}.{name}"] = t.to("cpu", dtype) if dtype is not None else t.cpu()
+    return out
+
+
+def _strings(meta: dict) -> dict:
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+
+
+def save_checkpoint(model, filename: str, destination: str, clip=None, vae=None, overwrite: bool = False,
+                    embed_adapters: bool = False) -> tuple[str, str]:
+    """Write the slim checkpoint; (path, its size by part as text)."""
+    import torch
+    info = _info(model)
+    folding.check_gguf(model.model.diffusion_model)
+    root = folder_paths.get_folder_paths("checkpoints")[0] if destination == "checkpoints" else \
+        folder_paths.get_output_directory()
+    path = target(root, filename, ".safetensors", overwrite)
+    extra = _adapter_tensors(info, torch.float16) if embed_adapters else {}
+    meta = _record(model, info, "fp16" if embed_adapters else None)
+    with atomic_path(path) as tmp:
+        comfy.sd.save_checkpoint(tmp, model, clip=clip, vae=vae, metadata=_strings(meta), extra_keys=extra)
+    return path, file_size(path).text()
+
+
+def save_gguf(model, filename: str, qtype: str, overwrite: bool = False, embed_adapters: bool = False,
+              progress=None) -> tuple[str, str]:
+    """Write the slim UNet as GGUF ``qtype`` into ``models/unet``; (path, its size as text)."""
+    info = _info(model)
+    folding.check_gguf(model.model.diffusion_model)
+    io_gguf.package()
+    path = target(folder_paths.get_folder_paths("diffusion_models")[0], filename, ".gguf", overwrite)
+    adapters = _adapter_tensors(info, None) if embed_adapters else {}
+    comfy.model_management.load_models_gpu([model], force_patch_weights=True)
+    sd = model.model.diffusion_model.state_dict()
+    entries = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()] + \
+        [(k, v.dtype, tuple(v.shape)) for k, v in adapters.items()]
+    done = []
+
+    def produce(name):
+        done.append(name)
+        if progress is not None:
+            progress(len(done), len(entries))
+        return adapters[name] if name in adapters else sd[name]
+    meta = {k: v for k, v in _record(model, info, io_gguf.ADAPTER_TYPE if embed_adapters else None).items()
+            if k.startswith("sdslim.")}
+    io_gguf.write_unet(path, entries, set(adapters), produce, qtype, info.family, meta)
+    return path, file_size(path).text()
+
+
+def slim_record(model, aset, origin: dict) -> dict:
+    """The ``sdslim.*`` record of a MODEL slimmed by Slim UNet with ``aset`` (``origin``: the adapter file's name,
+    sha256, sites and strength)."""
+    from sdslim_core.io.slim_checkpoint import slim_metadata
+    info = model.model.sdslim_info
+    heads = {k: v for k, v in (getattr(model.model.model_config, "unet_config", None) or {}).items()
+             if k in ("num_heads", "num_head_channels") and isinstance(v, int) and v > 0}
+    cfg = layout.config_from_state_dict(info.full_shapes, heads)
+    return slim_metadata(cfg, aset, origin, [])

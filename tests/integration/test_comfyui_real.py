@@ -417,9 +417,9 @@ def test_http_server_lists_nodes_and_runs_a_workflow(tmp_path):
     AdapterSet(family="sd15", sites={}, source="x").save(tmp_path / "adapters" / "from_yaml.safetensors")
     with ComfyServer(tmp_path / "comfy", {"sdslim": tmp_path / "adapters"}) as server:
         info = server.get("/object_info")
-        ids = {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimLoadSlimGGUF", "SdslimTrainAdapters",
-               "SdslimVramReport",
-               "SdslimVramMonitor", "SdslimUNetBreakdown", "SdslimTinyDemo"}
+        ids = {"SdslimSlimUNet", "SdslimLoadSlimCheckpoint", "SdslimLoadSlimGGUF", "SdslimSaveSlimCheckpoint",
+               "SdslimSaveSlimGGUF", "SdslimTrainAdapters", "SdslimVramReport", "SdslimVramMonitor",
+               "SdslimUNetBreakdown", "SdslimTinyDemo"}
         assert ids <= set(info), server.log()[-3000:]
         assert "from_yaml.safetensors" in info["SdslimSlimUNet"]["input"]["required"]["adapters"][1]["options"]
         workflows = os.path.join(ROOT, "example_workflows")

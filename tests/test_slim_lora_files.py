@@ -210,6 +210,21 @@ def test_embedded_compact_adapters_need_no_adapter_file(files, tmp_path, capsys,
     before = unet_tensors(alone / "slim.safetensors")[0]
     assert lora_effect_cosine(got, ref, before) > 0.9999
     assert max(rel(got[k], ref[k]) for k in ref if ref[k].norm() > 0) < 1e-3     # fp16 adapters: not exact
+    # fp8 storage: the matrices embedded in fp8 (read back as float32), against the same fp8 file with the
+    # adapter file's float64 adapters
+    for name, embed in (("f8.safetensors", False), ("f8e.safetensors", True)):
+        slim.slim_checkpoint(d / "base.safetensors", d / "adapters.safetensors", tmp_path / name,
+                             weight_dtype=torch.float8_e4m3fn, embed_adapters=embed)
+        slim.slim_checkpoint(tmp_path / name, None, tmp_path / ("lora_" + name), [(d / "kohya.safetensors", 0.8)])
+    entries, meta = read_header(tmp_path / "f8e.safetensors")
+    assert {entries[k][0] for k in entries if k.startswith(slim_checkpoint.ADAPTER_PREFIX)
+            and len(entries[k][1]) == 2} == {torch.float8_e4m3fn}
+    assert json.loads(meta["sdslim.adapters"])["embedded"] == "float8_e4m3fn"
+    plain8, emb8 = (unet_tensors(tmp_path / n)[0] for n in ("f8.safetensors", "f8e.safetensors"))
+    ref8, got8 = (unet_tensors(tmp_path / ("lora_" + n))[0] for n in ("f8.safetensors", "f8e.safetensors"))
+    assert all(torch.equal(plain8[k].float(), emb8[k].float()) for k in plain8)
+    assert lora_effect_cosine({k: v.float() for k, v in got8.items()}, {k: v.float() for k, v in ref8.items()},
+                              {k: v.float() for k, v in plain8.items()}) > 0.99
 
 
 def test_slim_space_refusals_write_nothing(files, tmp_path):

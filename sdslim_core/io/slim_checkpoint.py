@@ -53,7 +53,8 @@ def is_slim_checkpoint(ckpt) -> bool:
 
 
 def site_reader(path, aset: AdapterSet, prefix: str = "", opener: Callable | None = None) -> Callable[[str], dict]:
-    """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``) and checked for NaN/Inf.
+    """site → its adapter tensors, read from ``path`` (keys ``prefix + site.tensor``; fp8 ones as float32) and checked
+    for NaN/Inf.
 
     The file is opened (``opener(path)``: its tensors by name; default a ``.safetensors`` reader) for each read and
     never held open (a reader may live as long as a host's model does), and a file whose size or modification time
@@ -68,12 +69,17 @@ def site_reader(path, aset: AdapterSet, prefix: str = "", opener: Callable | Non
             raise SlimError(f"{path}: gone or changed (size or modification time) since it was opened, so its "
                             "adapter tensors may not be the ones that were folded; load it again")
         lazy = opener(path)
-        tensors = {n: lazy[f"{prefix}{site}.{n}"] for n in aset.sites[site]}
+        tensors = {n: _widened(lazy[f"{prefix}{site}.{n}"]) for n in aset.sites[site]}
         if site not in checked:
             aset.check_values(site, tensors)
             checked.add(site)
         return tensors
     return read
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """fp8 adapter tensors (embedded in an fp8 slim file) as float32: nothing computes in fp8."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
 
 
 def _stamp(path: Path) -> tuple:

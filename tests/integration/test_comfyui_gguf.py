@@ -86,6 +86,8 @@ def files(comfy, tmp_path_factory):
     for q in ("Q8_0", "Q4_0"):
         core_slim.slim_checkpoint(tiny.DEFAULT_PATH, None, folder / f"teacher-{q}.gguf", quant=q)
         core_slim.slim_checkpoint(tiny.DEFAULT_PATH, half, folder / f"slim-{q}.gguf", quant=q)
+    core_slim.slim_checkpoint(tiny.DEFAULT_PATH, half, folder / "slim-Q8_0-embedded.gguf", quant="Q8_0",
+                              embed_adapters=True)
     comfy["folder_paths"].add_model_folder_path("diffusion_models", str(folder), is_default=True)
     lazy = LazyStateDict(tiny.DEFAULT_PATH)
     sd = {k: lazy[k] for k in lazy if k.startswith("model.diffusion_model.")}
@@ -287,3 +289,48 @@ def test_sampling_the_slim_gguf_with_a_lora_in_ksampler(comfy, files, gguf_pack,
     with capsys.disabled():
         print(f"\nKSampler, 12 steps, 2 images: slim + Q8_0 + LoRA vs teacher + LoRA image PSNR {db:.1f} dB")
     assert db > 20
+
+
+def test_compact_embedded_adapters_keep_the_loras_effect(comfy, files, gguf_pack, teacher, monkeypatch, capsys):
+    """The same slim Q8_0 UNet with its adapters embedded as Q8_0 and without them (the adapter file found by its
+    sha256 in models/sdslim, with an empty hash index): LoRA-effect cosine between the two >= 0.999."""
+    import tempfile
+    monkeypatch.setenv("SDSLIM_CACHE_DIR", tempfile.mkdtemp(prefix="sdslim-index-"))
+    probes = teacher[3]
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    effects = {}
+    for name in ("slim-Q8_0.gguf", "slim-Q8_0-embedded.gguf"):
+        (model,) = _node(comfy, LOADER).execute(unet_name=name).args
+        (after,) = loader.load_lora_model_only(model, "tiny_lora_green.safetensors", 1.0)
+        effects[name] = _eps(after, probes) - _eps(model, probes)
+    cos = _cos(effects["slim-Q8_0-embedded.gguf"], effects["slim-Q8_0.gguf"])
+    with capsys.disabled():
+        print(f"\nQ8_0 embedded adapters vs the float32 adapter file, ComfyUI-GGUF: LoRA-effect cosine {cos:.6f}")
+    assert cos >= 0.999
+
+
+def test_save_slim_gguf_writes_what_load_slim_gguf_reads(comfy, files, gguf_pack, teacher):
+    """Tiny teacher → Slim UNet → LoRA → Save Slim GGUF (Q8_0) → Load Slim GGUF: the file holds the slim UNet with
+    the LoRA, quantised by the gguf package (checked against its own dequantisation), marked slim, no adapters."""
+    from sdslim_core.io import gguf as io_gguf
+    folder, _ = files
+    model_t, _, _, probes = teacher
+    (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=model_t, adapters="tiny_sd15_slim_half.safetensors",
+                                                     strength=1.0, enable=True).args
+    (with_lora,) = comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(slim, "tiny_lora_green.safetensors", 1.0)
+    save = _node(comfy, "SdslimSaveSlimGGUF")
+    save.execute(model=with_lora, filename="saved/slim_lora", quant="Q8_0", overwrite=False, embed_adapters=False)
+    path = folder / "saved" / "slim_lora.gguf"
+    assert path.is_file() and io_gguf.is_slim_gguf(path)
+    f, _, _, meta = io_gguf.read_slim(path)
+    assert not [k for k in f if k.startswith("sdslim.")] and meta["sdslim.gguf_type"] == "Q8_0"
+    assert meta["sdslim.loras"][-1]["applied"] == "in slim space"
+    (loaded,) = _node(comfy, LOADER).execute(unet_name="saved/slim_lora.gguf").args
+    weights, cfg = _dequantised(path)
+    torch.testing.assert_close(_eps(loaded, probes), _diffusers_eps(_unet(weights, cfg, meta["sdslim.norm_groups"]),
+                                                                   probes), rtol=1e-4, atol=1e-5)
+    assert _rel(_eps(loaded, probes), _eps(with_lora, probes)) < 0.02            # Q8_0 of the LoRA-ed slim model
+    with pytest.raises(ValueError, match="exists"):
+        save.execute(model=with_lora, filename="saved/slim_lora", quant="Q8_0", overwrite=False, embed_adapters=False)
+    with pytest.raises(ValueError, match="GGUF-quantised"):
+        save.execute(model=loaded, filename="saved/again", quant="Q4_0", overwrite=False, embed_adapters=False)

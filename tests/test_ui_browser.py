@@ -325,7 +325,8 @@ def test_slim_writes_a_checkpoint_that_loads(page, root, capsys, tmp_path):
     page.type_into("slim-name", "tiny_slim.safetensors")
     status = page.press("slim-run", "slim-status", "Wrote", 120)
     out = root / "tiny_slim.safetensors"
-    assert " ".join(status.split()) == f"Wrote {out}" and out.is_file()
+    from sdslim_core.io.files import format_bytes
+    assert " ".join(status.split()) == f"Wrote {out}: {format_bytes(out.stat().st_size)} on disk" and out.is_file()
     unet, cfg, meta = load_slim_unet(out)
     assert meta["sdslim.loras"] == [{"file": "tiny_lora_green.safetensors", "strength": 0.8,
                                      "applied": "before folding"}]

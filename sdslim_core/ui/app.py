@@ -5,6 +5,7 @@ The handlers only translate between widgets and ``actions``; every path goes thr
 own process), so one tab's job never blocks another.
 """
 
+from ..io.files import format_bytes
 from . import actions
 from .actions import PlanForm, Planner
 from .paths import Roots
@@ -280,7 +281,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
                 text, info = actions.run_slim(roots, ckpt, adapters, loras, select, folder, name, fold_progress)
             except Exception as err:  # noqa: BLE001
                 return _error(actions.user_error("slim", err)), "", None
-            return f"Wrote `{info['out']}`", text, info
+            return f"Wrote `{info['out']}`: {format_bytes(info['file_bytes'])} on disk", text, info
 
         s_run.click(on_slim, [s_ckpt, s_adapters] + s_loras + [s_select, s_folder, s_name],
                     [s_status, s_log, s_json]).then(on_rescan, outputs=pickers)

@@ -874,6 +874,10 @@ def test_load_slim_checkpoint_finds_its_adapter_file_by_hash_in_models_sdslim(co
               str(ckpts / "plain2.safetensors"))
     core_slim.slim_checkpoint(ckpts / "plain2.safetensors", adapter_dir / intercept_adapters,
                               ckpts / "slim_by_hash.safetensors")
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    x, t, ctx = _inputs()
+    (before,) = loader.load_lora_model_only(patcher, "lora.safetensors", 0.9)
+    want = _run(_slim(comfy, before, intercept_adapters), x, t, ctx)
     monkeypatch.setenv("SDSLIM_CACHE_DIR", str(tmp_path / "empty-index"))
     shelf = tmp_path / "yaml_sdslim"
     shelf.mkdir()
@@ -883,12 +887,8 @@ def test_load_slim_checkpoint_finds_its_adapter_file_by_hash_in_models_sdslim(co
     monkeypatch.setitem(table, "sdslim", ([str(tmp_path / "no_such_folder"), str(shelf)], saved[1]))
     node = _node(comfy, "SdslimLoadSlimCheckpoint")
     model, _, _ = node.execute(ckpt_name="slim_by_hash.safetensors").args
-    loader = comfy["nodes"].LoraLoaderModelOnly()
-    x, t, ctx = _inputs()
     (after,) = loader.load_lora_model_only(model, "lora.safetensors", 0.9)
-    (before,) = loader.load_lora_model_only(patcher, "lora.safetensors", 0.9)
-    torch.testing.assert_close(_run(after, x, t, ctx), _run(_slim(comfy, before, intercept_adapters), x, t, ctx),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(_run(after, x, t, ctx), want, rtol=1e-4, atol=1e-5)
     (shelf / "renamed.safetensors").unlink()
     monkeypatch.setenv("SDSLIM_CACHE_DIR", str(tmp_path / "empty-index-2"))
     model, _, _ = node.execute(ckpt_name="slim_by_hash.safetensors").args

@@ -2,12 +2,14 @@
 Train node keeps its work folders (beside the listed folder, never inside it)."""
 from __future__ import annotations
 
+import logging
 import os
 
 FOLDER = "sdslim"
 EXTENSIONS = frozenset({".safetensors"})
 GGUF_FOLDER = "diffusion_models"     # where ComfyUI (and ComfyUI-GGUF's Unet Loader) look for UNet files
 _HEADER_CHECKS: dict = {}
+log = logging.getLogger("sdslim")
 
 
 def register(folder_paths) -> list[str]:
@@ -99,19 +101,26 @@ def _is_adapter(path: str) -> bool:
 
 def _header_says(path: str, what: str) -> bool:
     """Whether ``path`` is an sdslim adapter file / slim checkpoint / slim GGUF, remembered per (path, size,
-    mtime): the lists are asked for on every page load."""
+    mtime): the lists are asked for on every page load. A file that cannot be read (cut, garbage, gone, a broken
+    link) is not listed; the lists are built at start-up and on every page load, so they never raise."""
     from sdslim_core.io.adapters import is_adapter_file
     from sdslim_core.io.gguf import is_slim_gguf
     from sdslim_core.io.slim_checkpoint import is_slim_checkpoint
     from sdslim_core.io.tensors import FileFormatError
     from sdslim_core.optional import MissingDependency
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
     key = (what, path, st.st_size, st.st_mtime_ns)
     if key not in _HEADER_CHECKS:
+        check = {"adapter": is_adapter_file, "slim": is_slim_checkpoint, "gguf": is_slim_gguf}[what]
         try:
-            check = {"adapter": is_adapter_file, "slim": is_slim_checkpoint, "gguf": is_slim_gguf}[what]
             _HEADER_CHECKS[key] = check(path)
         except (OSError, FileFormatError, MissingDependency):
+            _HEADER_CHECKS[key] = False
+        except Exception as err:            # a reader's bug must not take the node list (or the pack) down
+            log.warning("sdslim: %s not listed: reading its header failed (%s: %s)", path, type(err).__name__, err)
             _HEADER_CHECKS[key] = False
     return _HEADER_CHECKS[key]
 

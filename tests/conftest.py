@@ -90,3 +90,28 @@ def ldm_unet(cfg: layout.UNetConfig, dtype=torch.float64):
 def tiny_ldm_unet():
     torch.manual_seed(0)
     return randomize_(ldm_unet(tiny_config())).eval()
+
+
+def damaged_copies(path, folder, header_bytes: int) -> list:
+    """Copies of the file at ``path`` in ``folder`` cut at every byte of its first ``header_bytes`` (an interrupted
+    download) and at three points in its data, plus garbage, a text file and a broken link under its suffix."""
+    import pathlib
+    path, folder = pathlib.Path(path), pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data, suffix = path.read_bytes(), path.suffix
+    cuts = sorted(set(range(header_bytes)) | {(header_bytes + len(data)) // 2, len(data) - 2, len(data) - 1})
+    cuts = [n for n in cuts if n < len(data)]
+    out = []
+    for n in cuts:
+        out.append(folder / f"cut-{n:06d}{suffix}")
+        out[-1].write_bytes(data[:n])
+    g = torch.Generator().manual_seed(0)
+    out.append(folder / f"garbage{suffix}")
+    out[-1].write_bytes(bytes(torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).tolist()))
+    out.append(folder / f"magic-then-garbage{suffix}")
+    out[-1].write_bytes(data[:8] + bytes(torch.randint(0, 256, (4096,), generator=g, dtype=torch.uint8).tolist()))
+    out.append(folder / f"notes{suffix}")
+    out[-1].write_text("# not a model\nsee README.md\n")
+    out.append(folder / f"gone{suffix}")
+    out[-1].symlink_to(folder / "nothing-here")
+    return out

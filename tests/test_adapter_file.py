@@ -1,5 +1,6 @@
 """The adapter file format: round trip and one clear error per kind of invalid file."""
 import json
+import re
 
 import pytest
 import torch
@@ -105,6 +106,40 @@ def test_truncated_and_pickle_files(tmp_path, aset):
     (tmp_path / "a.ckpt").write_bytes(b"\x80\x04")
     with pytest.raises(ValueError, match="pickle"):
         AdapterSet.load(tmp_path / "a.ckpt")
+
+
+def test_a_damaged_safetensors_file_is_a_file_format_error_naming_it(tmp_path, aset):
+    """Cut at every byte of its header, garbage, text, headers that safetensors itself refuses: every reader gives
+    a FileFormatError naming the file (none an AttributeError or a SafetensorError that names no file)."""
+    import struct
+
+    from conftest import damaged_copies
+    from sdslim_core.io import slim_checkpoint
+    from sdslim_core.io.adapters import is_adapter_file
+    from sdslim_core.io.tensors import FileFormatError, LazyStateDict, read_header
+    site = next(s for s in aset.sites if aset.kind(s) == "ff")
+    good = AdapterSet("sd15", {site: aset.sites[site]}).save(tmp_path / "good.safetensors")
+    assert is_adapter_file(good)
+    damaged = damaged_copies(good, tmp_path / "damaged", 8 + struct.unpack("<Q", good.read_bytes()[:8])[0])
+
+    def raw(name, header):
+        text = json.dumps(header).encode()
+        (tmp_path / "damaged" / name).write_bytes(struct.pack("<Q", len(text)) + text + bytes(64))
+        return tmp_path / "damaged" / name
+    one = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    damaged += [raw("meta-list.safetensors", {"__metadata__": ["sdslim.slim"], "a": one}),
+                raw("meta-text.safetensors", {"__metadata__": "sdslim.slim", "a": one}),
+                raw("meta-number.safetensors", {"__metadata__": {"sdslim.slim": 1}, "a": one}),
+                raw("short-data.safetensors", {"a": dict(one, data_offsets=[0, 8])}),
+                raw("backwards.safetensors", {"a": dict(one, shape=[0], data_offsets=[16, 0])}),
+                raw("negative.safetensors", {"a": dict(one, shape=[-4])})]
+    for path in damaged:
+        gone = not path.exists()
+        readers = (read_header, LazyStateDict, AdapterSet.load, slim_checkpoint.read_slim)
+        for read in readers + (() if gone else (slim_checkpoint.is_slim_checkpoint,)):
+            with pytest.raises(FileNotFoundError if gone else FileFormatError, match=re.escape(str(path))):
+                read(path)
+        assert not is_adapter_file(path)
 
 
 def test_model_mismatch_is_named(aset):

@@ -682,3 +682,51 @@ def test_slim_unet_measures_how_far_the_model_is_from_the_adapters_base(pack, mo
     exact = math.sqrt(sum(float(deltas[k].pow(2).sum()) for k in keys) / sum(float(weights[k].pow(2).sum()) for k in keys))
     assert far.overall == pytest.approx(exact, rel=0.15)
     assert any(r.levelno == logging.WARNING and "from the adapters' base" in r.getMessage() for r in caplog.records)
+
+
+def test_damaged_files_are_left_out_of_every_list_and_never_fail_it(pack, tmp_path, caplog):
+    """Cut at every byte of the header, garbage, text, broken links, in models/sdslim, checkpoints and unet: the
+    three loaders' lists (built at start-up and on every /object_info) hold just the intact files."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.torch import save_file
+
+    from conftest import damaged_copies
+    from sdslim_core.io import gguf as io_gguf
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    folders = {kind: tmp_path / kind for kind in ("sdslim", "checkpoints", "diffusion_models")}
+    for kind, folder in folders.items():
+        folder.mkdir()
+        fp.folder_names_and_paths[kind] = ([str(folder)], {".safetensors"})
+    _adapter_file(folders["sdslim"] / "good.safetensors")
+    save_file({"input_blocks.0.0.bias": torch.ones(4)}, str(folders["checkpoints"] / "good.safetensors"),
+              metadata={"sdslim.slim": "1"})
+    w = {"input_blocks.0.0.weight": torch.ones(64, 4, 3, 3), "input_blocks.0.0.bias": torch.ones(64)}
+    io_gguf.write(folders["diffusion_models"] / "good.gguf", [io_gguf.plan(k, v.shape, "Q8_0") for k, v in w.items()],
+                  w.__getitem__, "sd1", {"sdslim.slim": "1"})
+    for kind, folder in folders.items():
+        good = folder / ("good.gguf" if kind == "diffusion_models" else "good.safetensors")
+        header = gguf.GGUFReader(good).data_offset if good.suffix == ".gguf" else 8 + int.from_bytes(
+            good.read_bytes()[:8], "little")
+        damaged_copies(good, folder / "damaged", header)
+        damaged_copies(folders["checkpoints"] / "good.safetensors", folder / "damaged-st", 40)
+    classes = {s.node_id: pack.v1.node_class(s) for s in pack.specs.SPECS}
+    lists = {node: classes[node].INPUT_TYPES()["required"][name][0] for node, name in (
+        ("SdslimSlimUNet", "adapters"), ("SdslimLoadSlimCheckpoint", "ckpt_name"), ("SdslimLoadSlimGGUF", "unet_name"))}
+    assert lists == {"SdslimSlimUNet": ["good.safetensors"], "SdslimLoadSlimCheckpoint": ["good.safetensors"],
+                     "SdslimLoadSlimGGUF": ["good.gguf"]}
+    pack.paths._HEADER_CHECKS.clear()
+
+    def broken_reader(path):
+        raise RuntimeError("a reader's own bug")
+    original = io_gguf.is_slim_gguf
+    io_gguf.is_slim_gguf = broken_reader
+    try:
+        with caplog.at_level(logging.WARNING, logger="sdslim"):
+            assert pack.paths.slim_ggufs(fp) == []
+    finally:
+        io_gguf.is_slim_gguf = original
+        pack.paths._HEADER_CHECKS.clear()
+        fp.folder_names_and_paths.clear()
+    assert f"{folders['diffusion_models'] / 'good.gguf'} not listed: reading its header failed (RuntimeError: a " \
+           "reader's own bug)" in caplog.text

@@ -149,6 +149,24 @@ def test_a_failed_write_leaves_no_file_and_keeps_an_old_one(tmp_path):
     assert not (tmp_path / "b.gguf").exists()
 
 
+def test_a_damaged_file_is_a_file_format_error_naming_it(tmp_path):
+    """Cut at every byte of its header (an interrupted download), garbage, text: each read refuses the file with a
+    FileFormatError that names it, ``is_slim_gguf`` too (never an IndexError); a broken link is not found."""
+    from conftest import damaged_copies
+    from sdslim_core.io.tensors import FileFormatError
+    w = _weights()
+    good = io_gguf.write(tmp_path / "good.gguf", [io_gguf.plan(k, v.shape, "Q8_0") for k, v in w.items()],
+                         w.__getitem__, "sd1", {"sdslim.slim": "1"})
+    assert io_gguf.is_slim_gguf(good) and set(io_gguf.GGUFFile(good)) == set(w)
+    damaged = damaged_copies(good, tmp_path / "damaged", gguf.GGUFReader(good).data_offset)
+    for path in damaged:
+        gone = not path.exists()
+        for read in (io_gguf.GGUFFile, io_gguf.read_slim, io_gguf.read_unet) + (() if gone else (io_gguf.is_slim_gguf,)):
+            with pytest.raises(FileNotFoundError if gone else FileFormatError, match=str(path)):
+                read(path)
+    assert not io_gguf.is_slim_gguf(damaged[-1])                     # the broken link
+
+
 # ------------------------------------------------------------------------------------------ sdslim slim, end to end
 
 def run(capsys, *args):

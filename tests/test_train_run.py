@@ -208,6 +208,73 @@ def test_stage2_in_groups_resumes_bit_for_bit(tmp_path):
             assert torch.equal(result.adapters.sites[site][name], v), (site, name)
 
 
+def test_a_resume_after_the_allocation_measures_nothing_again(tmp_path, monkeypatch):
+    """A run that allocates ranks (anchored curves), killed in stage 1 and again in stage 2 (its init/ folder, with
+    the curves, is gone by then): the resumed runs make no UNet forward and no site initialisation in the
+    allocation, read its ranks and report from the work dir, and end with an uninterrupted run's adapters."""
+    from sdslim_core import layout
+    from sdslim_core.modules.unet import canonical_shapes
+    from sdslim_core.train import ranks as ranks_mod
+    small = dict(FAST, uniform=False, n_trajectories=8, latent_size=8, ff_inputs=24, res_maps=24, stage1_steps=2,
+                 stage2_steps=4, checkpoint_every=2, alloc_inputs=2, rank_grid=(0.25, 0.75))
+    tc = TrainConfig(**small)
+    counts = {"allocating": False, "forwards": 0, "site_inits": 0}
+
+    def count_forward(module, args):
+        if counts["allocating"] and type(module).__name__ == "UNet2DConditionModel":
+            counts["forwards"] += 1
+
+    def allocating(fn):
+        def wrapped(*args, **kwargs):
+            counts["allocating"] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counts["allocating"] = False
+        return wrapped
+    real_site_init = ranks_mod.site_init
+
+    def site_init(*args, **kwargs):
+        counts["site_inits"] += 1
+        return real_site_init(*args, **kwargs)
+    monkeypatch.setattr(ranks_mod, "choose_ranks", allocating(ranks_mod.choose_ranks))
+    monkeypatch.setattr(ranks_mod, "site_init", site_init)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(count_forward)
+    try:
+        ref = train_adapters(_teacher(), tiny_config(), _calib(), tc, tmp_path / "a" / "adapters.safetensors")
+        first = dict(counts)
+        out = tmp_path / "b" / "adapters.safetensors"
+        n1 = small["stage1_steps"] * len(ref.adapters.sites)
+        with pytest.raises(Killed):
+            train_adapters(_teacher(), tiny_config(), _calib(), tc, out, progress=_kill_at(n1 - 3))
+        assert not (out.with_name(out.name + ".work") / "init").exists()      # the curves went with it
+        resumed = []
+        for kill in (_kill_at(n1 + 3), None):
+            counts.update(forwards=0, site_inits=0)
+            try:
+                result = train_adapters(_teacher(), tiny_config(), _calib(), tc, out, progress=kill, resume=True)
+            except Killed:
+                pass
+            resumed.append((counts["forwards"], counts["site_inits"]))
+    finally:
+        hook.remove()
+    sites = layout.sites(canonical_shapes(tiny_config()))
+    assert first["forwards"] == 2 * len(sites) and first["site_inits"] == len(sites)    # 2 anchors, 1 batch each
+    assert resumed == [(0, 0), (0, 0)]
+    assert result.report.ranks == ref.report.ranks and result.report.budget == ref.report.budget
+    uniform = ranks_mod.ratio_ranks(sites, tc)
+    assert ref.report.ranks != uniform                                   # really allocated
+    for site, t in ref.adapters.sites.items():
+        for name, v in t.items():
+            assert torch.equal(result.adapters.sites[site][name], v), (site, name)
+    assert result.report.unet_error == ref.report.unet_error and result.report.site_error == ref.report.site_error
+    bad = tmp_path / "c" / "adapters.safetensors"                       # a damaged record: an error naming it
+    shutil.copytree(out.with_name(out.name + ".work"), bad.with_name(bad.name + ".work"))
+    (bad.with_name(bad.name + ".work") / "ranks.json").write_text('{"ranks": ')
+    with pytest.raises(ValueError, match=r"ranks\.json is damaged"):
+        train_adapters(_teacher(), tiny_config(), _calib(), tc, bad, resume=True)
+
+
 def test_stage2_step_with_every_site_teacher_still_trains_one(tmp_path):
     """Replacement probability 0 at the start of stage 2 (p0=0), in small site groups: a step where no site is
     replaced would have nothing to train; one site is replaced instead, and the run completes."""

@@ -214,18 +214,26 @@ class GGUFFile(Mapping):
     def __init__(self, path):
         self.path = Path(path)
         gguf = package()
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such file")
         try:
-            self.reader = gguf.GGUFReader(self.path)
-        except (ValueError, OSError) as err:
-            raise FileFormatError(f"{self.path}: not a readable GGUF file ({err})") from None
-        self.fields = {name: f.contents() for name, f in self.reader.fields.items()
-                       if not name.startswith("GGUF.")}
-        self._tensors = {t.name: t for t in self.reader.tensors}
+            self._parse(gguf.GGUFReader(self.path))
+        except Exception as err:    # the reader parses with numpy: a cut or garbled header raises IndexError,
+            # ValueError, KeyError, TypeError … by where it breaks; every one means the same to the caller
+            raise FileFormatError(f"{self.path}: not a readable GGUF file ({type(err).__name__}: {err}); an "
+                                  "interrupted download or copy? Write or download it again") from None
+
+    def _parse(self, reader) -> None:
+        self.reader = reader
+        self.fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+        self._tensors = {t.name: t for t in reader.tensors}
         self.types = {n: t.tensor_type.name for n, t in self._tensors.items()}
         self.entries = {}
         for n, t in self._tensors.items():
             shape = self.fields.get(ORIG_SHAPE + n)
             shape = tuple(int(d) for d in shape) if shape is not None else tuple(int(d) for d in reversed(t.shape))
+            if math.prod(shape) != t.n_elements:
+                raise ValueError(f"tensor {n}: recorded shape {shape} does not hold its {t.n_elements} elements")
             self.entries[n] = (_TORCH.get(self.types[n], torch.float32), shape)
 
     @property

@@ -191,7 +191,7 @@ def read_slim(path) -> tuple[LazyStateDict, dict, str, str, layout.UNetConfig, d
     try:
         raw = json.loads(meta[layout.UNET_CONFIG_KEY])
         cfg = layout.UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-    except (KeyError, TypeError, json.JSONDecodeError) as err:
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
         raise FileFormatError(f"{path}: slim checkpoint without a readable {layout.UNET_CONFIG_KEY} ({err})") from None
     prefix, naming = layout.strip_prefix(lazy.keys())
     keys = [k for k in lazy.keys() if k.startswith(prefix) and not k.startswith(layout.SDSLIM_TENSORS)]

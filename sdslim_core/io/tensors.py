@@ -41,15 +41,20 @@ def read_header(path) -> tuple[dict, dict]:
     except HeaderError as err:
         raise FileFormatError(f"{path}: {err}") from None
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FileFormatError(f"{path}: corrupt safetensors header (__metadata__ is not a table of strings)")
     entries = {}
     end = 0
     for key, info in header.items():
         try:
             dtype = _DTYPES[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
-            end = max(end, int(info["data_offsets"][1]))
+            begin, stop = (int(o) for o in info["data_offsets"])
+            if min(shape, default=0) < 0 or not 0 <= begin <= stop or stop - begin != math.prod(shape) * dtype.itemsize:
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise FileFormatError(f"{path}: tensor {key!r} has an unreadable header entry {info!r}") from None
+        end = max(end, stop)
         entries[key] = (dtype, shape)
     if 8 + n + end > size:
         raise FileFormatError(f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}")
@@ -60,10 +65,13 @@ class LazyStateDict(Mapping):
     """A read-only mapping key → tensor that reads each tensor from disk only when asked for."""
 
     def __init__(self, path, device: str = "cpu"):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         self.path = _check_path(path)
         self.entries, self.metadata = read_header(self.path)
-        self._file = safe_open(str(self.path), framework="pt", device=device)
+        try:
+            self._file = safe_open(str(self.path), framework="pt", device=device)
+        except SafetensorError as err:         # what the header check above does not see (overlapping tensors …)
+            raise FileFormatError(f"{self.path}: not a readable safetensors file ({err})") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self.entries:

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from . import sensitivity
 from .. import layout
 from ..io.adapters import AdapterSet
+from ..io.files import atomic_path
 from ..layout import rank_policy
 from ..ops import fold
 from .config import TrainConfig, parse_budget
 from .init import site_init
+from .workdir import RANKS
 
 if TYPE_CHECKING:
     from .calibration import ActivationStore, InputBank
@@ -172,7 +175,8 @@ def _target_rank(site: layout.Site, tc: TrainConfig) -> int:
 def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore") -> tuple[dict, dict]:
     """Ranks per site: explicit (``--uniform``, per-kind values) or allocated under the parameter budget
     (``--budget``, or the parameters of uniform ``--ratio``) from measured cost-vs-rank curves (one
-    ``init/curve-<index>.json`` per site, kept for a resumed run); returns (ranks, allocation info).
+    ``init/curve-<index>.json`` per site, kept for a resumed run until the initialisation ends; the result in
+    ``ranks.json``, which a resumed run reads instead of allocating again); returns (ranks, allocation info).
 
     Curves by ``tc.allocation``: ``e2e`` measures the whole-UNet error at every grid rank; ``anchored`` (default)
     measures it at ``tc.alloc_anchors`` ranks and scales the site's own error curve to them
@@ -180,6 +184,9 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
     tc, site_list = session.tc, session.site_list
     if not tc.allocates():
         return ratio_ranks(site_list, tc), {}
+    recorded = _recorded(session)
+    if recorded is not None:
+        return recorded
     fractions = tuple(tc.rank_grid) + ((tc.ratio,) if tc.ratio is not None else ())
     grids = {s.name: rank_grid(s, fractions) for s in site_list}
     method = tc.init_methods[0]
@@ -235,4 +242,25 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
     what = f"budget {tc.budget}" if tc.budget is not None else f"the {unit} of uniform ratio {tc.ratio}"
     session.say(f"{what}: {info[f'slim_{unit}'] / 1e6:.2f}M of {budget / 1e6:.2f}M {unit} used, "
                 f"{len(ranks)} sites slimmed (allocated by {tc.allocation} error)")
+    if session.topo.main:
+        with atomic_path(session.work_dir / RANKS) as tmp:
+            Path(tmp).write_text(json.dumps({"ranks": ranks, "info": info}))
+    session.topo.barrier()
+    return ranks, info
+
+
+def _recorded(session: "Session") -> tuple[dict, dict] | None:
+    """(ranks, allocation info) a resumed run's allocation recorded in ``<work dir>/ranks.json``; None when there
+    is none (a new run, or one stopped before the allocation ended: its curves are in ``init/``)."""
+    path = session.work_dir / RANKS
+    if not (session.resume and path.exists()):
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        ranks = {str(k): int(v) for k, v in raw["ranks"].items()}
+        info = dict(raw["info"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"--resume: {path} is damaged ({err}); run without --resume to start over, or use another "
+                         "--work-dir") from None
+    session.say(f"rank allocation: {len(ranks)} sites slimmed, as recorded in {path} (not measured again)")
     return ranks, info

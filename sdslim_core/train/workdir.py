@@ -9,12 +9,13 @@ from typing import Callable
 from ..io.files import atomic_path
 
 SUBDIRS = ("checkpoints", "stage1", "stage2", "init", "calib")
-FILES = ("init.safetensors", "stage1.safetensors", "run.json")
+RANKS = "ranks.json"                 # the rank allocation's result (train/ranks.py)
+FILES = (RANKS, "init.safetensors", "stage1.safetensors", "run.json")
 
 
 class WorkDir:
     """``root`` holds ``run.json`` (the run's fingerprint), ``checkpoints/``, ``calib/``, ``init/``, ``stage1/``,
-    ``stage2/`` and the finished stages' files."""
+    ``stage2/``, the allocated ranks (``ranks.json``) and the finished stages' files."""
 
     def __init__(self, root, topo, say: Callable[[str], None]):
         self.root, self.topo, self.say = Path(root), topo, say

@@ -633,3 +633,26 @@ def test_soak_many_generations_stay_exact_bounded_and_give_the_original_back(ses
           f"{rss[0] / 2 ** 20:.1f} MiB, at the end {rss[1] / 2 ** 20:.1f} MiB ({rss[1] / rss[0] - 1:+.1%}); "
           f"slim layers alive {len(slim_layers)} (cache: {max_cached} folds of ≤ {most_layers} layers"
           f"{'' if session.live else '; SD Slim off in Settings: none kept'})")
+
+
+def test_the_checkpoints_distance_from_the_adapters_base_is_logged_and_warned(session, webui, capsys):
+    """An adapter file fingerprinted on this very model: 0.0 % in the console, no warning; fingerprinted on another
+    model of the same shapes (a far derivative): the infotext warns and points to refitting."""
+    from sdslim_core.ops import fingerprint
+    for name, base, far in (("own.safetensors", session.pristine, False), ("other.safetensors", tiny_unet(seed=5), True)):
+        aset = adapters.AdapterSet.load(session.adapter_file)
+        weights = {k: v.detach() for k, v in base.state_dict().items()}
+        aset.metadata["sdslim.base"] = {"sketches": fingerprint.sketches(((s, aset.kind(s)) for s in aset.sites),
+                                                                         weights.get)}
+        aset.save(os.path.join(webui.adapters, name))
+        session.module.refresh_adapters()
+        session.settings(adapters=name)
+        capsys.readouterr()
+        _, res = session.generate("a photo")
+        err = capsys.readouterr().err
+        warning = _params(res.infotexts[0]).get("SD Slim warning", "")
+        if far:
+            assert "from the adapters' base (past 10%)" in warning and "start from adapters" in warning
+            assert re.search(r"this checkpoint is \d+\.\d% from the adapters' base", err)
+        else:
+            assert not warning and "this checkpoint is 0.0% from the adapters' base" in err

@@ -88,7 +88,7 @@ def test_adapter_file_metadata_and_plot(reference):
     assert aset.metadata["sdslim.base"]["family"] == "sd15"
     # the base fingerprint: the teacher is at distance 0 from it, every folded tensor sketched
     from sdslim_core.ops import fingerprint, fold
-    teacher, _ = layout.to_canonical(_teacher().state_dict())
+    teacher = layout.to_canonical(_teacher().state_dict())[0]
     meter = fingerprint.DistanceMeter(aset.metadata["sdslim.base"])
     for site in aset.sites:
         for k in fold.site_keys(site, aset.kind(site)):

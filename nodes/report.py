@@ -28,8 +28,14 @@ def breakdown_text(patcher, label: str = "model") -> str:
     current, full, family = unet_shapes(patcher)
     if full is None:
         return breakdown.format_table(breakdown.count(current), title=f"{label}: {family} UNet (original)")
-    return breakdown.format_table(breakdown.count(full), breakdown.count(current),
-                                  title=f"{label}: {family} UNet, original vs slim")
+    table = breakdown.format_table(breakdown.count(full), breakdown.count(current),
+                                   title=f"{label}: {family} UNet, original vs slim")
+    info = patcher.model.sdslim_info
+    lines = [table, f"adapters: {info.adapters}"]
+    if info.distance is not None:
+        worst = ", ".join(f"{s} {v:.1%}" for s, v in info.distance.worst())
+        lines.append(f"folded weights {info.distance.overall:.1%} from the adapters' base (largest: {worst})")
+    return "\n".join(lines)
 
 
 def device_lines(mm, torch) -> list[str]:

@@ -681,6 +681,8 @@ def test_slim_unet_measures_how_far_the_model_is_from_the_adapters_base(pack, mo
         far = pack.folding.slim_patcher(moved, aset).model.sdslim_info.distance
     exact = math.sqrt(sum(float(deltas[k].pow(2).sum()) for k in keys) / sum(float(weights[k].pow(2).sum()) for k in keys))
     assert far.overall == pytest.approx(exact, rel=0.15)
+    slimmed = pack.folding.slim_patcher(moved, aset)
+    assert f"folded weights {far.overall:.1%} from the adapters' base" in pack.report.breakdown_text(slimmed)
     assert any(r.levelno == logging.WARNING and "from the adapters' base" in r.getMessage() for r in caplog.records)
 
 

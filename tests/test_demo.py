@@ -1,6 +1,7 @@
 """`sdslim demo` end to end in a smoke configuration (few steps), and the honesty of its summary."""
 import json
 
+import pytest
 import torch
 
 from sdslim_core import tiny
@@ -12,8 +13,30 @@ SMOKE = dict(stage1_steps=3, stage2_steps=2, n_trajectories=2, sample_steps=3, f
              rank_grid=(0.5,))
 
 
-def test_demo_end_to_end(tmp_path):
+def test_demo_end_to_end(tmp_path, monkeypatch, capfd):
+    """Interrupted in stage 2, the demo keeps its training work folder; run again it continues from there (its
+    first step is the one after the last checkpoint), finishes, and removes the folder. Its log has no bar frames."""
+    steps = []
+    real = demo.train_adapters
+
+    def train(*args, **kwargs):
+        def progress(done, total, info):
+            if info["stage"] in (1, 2):
+                steps.append(done)
+            if interrupt and info["stage"] == 2:
+                raise KeyboardInterrupt
+        return real(*args, progress=progress, **kwargs)
+    monkeypatch.setattr(demo, "train_adapters", train)
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        demo.run_demo(tmp_path, ratio=0.5, n_images=2, sample_steps=3, train_overrides=SMOKE)
+    assert (tmp_path / "train-work" / "stage1.safetensors").exists() and not (tmp_path / "summary.json").exists()
+    interrupt, killed_at, before = False, steps[-1], len(steps)
     s = demo.run_demo(tmp_path, ratio=0.5, n_images=2, sample_steps=3, train_overrides=SMOKE)
+    assert steps[before:] == list(range(killed_at, killed_at + SMOKE["stage2_steps"]))    # resumed in stage 2
+    assert not (tmp_path / "train-work").exists() and s["training"]["work_dir"] == ""
+    log = capfd.readouterr().err
+    assert "\r" not in log and "stage 2: 100%" in log, log[-2000:]
     for name in ("grid.png", "summary.json", "summary.md", "tiny_adapters.safetensors"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text())["model"]["params_slim"] == s["model"]["params_slim"]

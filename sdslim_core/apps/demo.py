@@ -9,6 +9,7 @@ a JSON + Markdown summary and the adapter file.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -118,11 +119,12 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     batch = tiny_data.make_batch(PROMPTS_SEED, 0, n_images)
     calib_prompts = [tiny_data.make_batch(seed + 1, i, 1).captions[0] for i in range(16)]
     settings = {**(FAST if fast else FULL), **(train_overrides or {})}
+    work = out / "train-work"               # kept after an interruption or error: a rerun continues from it
     tc = TrainConfig(ratio=ratio, guidance=4.0, latent_size=pipe.latent_size, seed=seed, progress_bar=True,
-                     work_dir=str(out / "train-work"), log=_log, **settings)
+                     work_dir=str(work), log=_log, **settings)
     adapter_path = out / "tiny_adapters.safetensors"
     result = train_adapters(pipe.unet, cfg, Calibration.from_prompts(calib_prompts, pipe.encode_prompt), tc,
-                            adapter_path)
+                            adapter_path, resume="auto")
     aset = result.adapters
     timings["train_cpu"] = round(time.process_time() - cpu0, 1)
     lap("train", t0)
@@ -205,7 +207,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
         "files": files,
         "latency": _latency_ratio(pipe.unet, slim, *flop_args,
                                   repeats=3 if fast else 7),
-        "training": result.report.to_dict(),
+        "training": dict(result.report.to_dict(), work_dir=""),        # removed once the demo has succeeded
         "memory": mem.to_dict(),
         "memory_text": mem.format_text(),
         "settings": {"fast": fast, "sample_steps": sample_steps, "seed": seed, "prompts": batch.captions},
@@ -218,6 +220,7 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
     (out / "summary.md").write_text(summary_markdown(summary))
     _log(summary_markdown(summary))
     _log(f"wrote {out / 'grid.png'}, {out / 'summary.json'}, {out / 'summary.md'}, {adapter_path}")
+    shutil.rmtree(work, ignore_errors=True)           # the demo succeeded: nothing to resume
     return summary
 
 

@@ -14,11 +14,18 @@ WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8_
 
 
 def _progress(enabled: bool):
+    """The fold's progress on stderr (``progress(i, n, site)``): a bar on a terminal, plain lines in a log."""
     if not enabled:
         return None
+    from ..train.progress import Bar
+    bar = Bar(None, "folding", unit="site")          # its size comes with the first site
 
     def show(i, n, site):
-        print(f"\rfolding {i}/{n} {site:<60}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+        bar.total = n
+        bar.set_postfix({"site": site})
+        bar.update(i - bar.n)
+        if i == n:
+            bar.close()
     return show
 
 
@@ -70,7 +77,7 @@ def run(args) -> int:
         raise ValueError(f"--quant {args.quant} is a GGUF type; add --format gguf (and a .gguf --out)")
     quant = (args.quant or "Q8_0") if fmt == "gguf" else None
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
-                             progress=_progress(not args.json and sys.stderr.isatty()),
+                             progress=_progress(not args.json),
                              embed_adapters=args.embed_adapters, weight_dtype=weight_dtype, quant=quant)
     if args.json:
         print(json.dumps(result.to_dict()))

@@ -195,9 +195,7 @@ def cmd_train(args) -> int:
     from ..train.checkpoint import CheckpointError
     from ..train.run import train_adapters
 
-    def log(msg):
-        from tqdm.auto import tqdm
-        tqdm.write(msg, file=sys.stderr)
+    from ..train.progress import write as log
     ckpt = open_checkpoint(args.ckpt)
     pipe = _tiny_pipeline(ckpt)
     tc = config_from_args(args, pipe, log)

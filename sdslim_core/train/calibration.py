@@ -549,9 +549,7 @@ def calibrate(session: "Session", fp: dict) -> tuple[InputBank, ActivationStore]
         progress.end_stage()
         bank.save(folder / BANK_FILE)
         store = ActivationStore(folder, tc.ram_budget_gb * 1e9, _store_dtype(tc.calib_dtype, session.teacher_dtype))
-        progress.start_stage("capture", 1, unit="input")
-        if progress.bar is not None:
-            progress.bar.reset(total=None)
+        progress.start_stage("capture", None, unit="input")          # its size is learnt on the way
         capture_sites(teacher, session.cfg, bank, session.site_list, tc, store, session.device,
                       session.compute_dtype, session.amp, progress=progress.advance)
         progress.end_stage()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -18,7 +17,7 @@ from .. import layout, optional
 from ..io.adapters import AdapterSet
 from ..modules.unet import load_diffusers_unet
 from .config import TrainConfig
-from .progress import Progress
+from .progress import Progress, write
 from .report import TRAIN_META_VERSION
 from .sites import SiteData
 from .teacher import TeacherPlacement, free_device_memory
@@ -112,8 +111,7 @@ class Session:
             if self.tc.log is not None:
                 self.tc.say(text)
             elif self.tc.progress_bar:
-                from tqdm.auto import tqdm
-                tqdm.write(text, file=sys.stderr)
+                write(text)
 
     def use_grad_ckpt(self, stage2_groups: int) -> bool:
         """Gradient checkpointing in stage 2: as asked, or (``auto``) on CUDA and whenever the memory makes stage 2

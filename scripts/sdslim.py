@@ -369,7 +369,10 @@ def _webui_calibration(sd_model, form, cfg, pixels):
 def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename):
     """The Train button, under the webui's GPU call: adapters for the loaded checkpoint into models/sdslim (resumed
     from its work folder after an Interrupt), distilled from the UNet without LoRAs."""
-    form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename)
+    try:
+        form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename)
+    except ValueError as err:                       # a refusal, like those below: in words in the Report box
+        return _train_outputs(str(err))
     sd_model = shared.sd_model
     out, work = form.paths(ADAPTER_DIR)
     refusal = a1111_training.model_refusal(sd_model, FORGE, getattr(devices, "fp8", False)) \
@@ -382,7 +385,10 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
     pixels = form.pixels(cfg)
     job = a1111_training.JobProgress(shared.state)
     job.say("encoding the prompts")
-    calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
+    try:
+        calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
+    except ValueError as err:                       # the SDXL refiner, a conditioning of the wrong width
+        return _train_outputs(str(err))
     if getattr(sd_model, "lowvram", False):
         lowvram.send_everything_to_cpu()            # --medvram/--lowvram: the webui's modules leave the GPU
     job.say("calibrating: the teacher's own sampling runs")

@@ -71,24 +71,30 @@ def _train(s, filename="trained", prompts=PROMPTS, task="task(t1)", **kw):
     return res
 
 
-def _press_interrupt_at(s, monkeypatch, step):
-    """The user presses the tab's Interrupt button (once) when the run reaches ``step``; records what the webui's
-    job state showed at each step."""
+def _press_interrupt_when(monkeypatch, when):
+    """The user presses the tab's Interrupt button (once) at the first progress ``(done, total, info)`` for which
+    ``when`` holds; records what the webui's job state showed at each progress call. Returns (seen, pressed):
+    ``pressed`` gets the index in ``seen`` and the info of the call it was pressed at."""
     seen, pressed = [], []
     interrupt, _, _ = _buttons()["sdslim_train_interrupt"]
     real = a1111_training.JobProgress.__call__
 
     def spy(self, done, total, info):
         from modules import shared
-        if done == step and not pressed:
-            pressed.append(interrupt())
+        if not pressed and when(done, total, info):
+            interrupt()
+            pressed.append((len(seen), dict(info)))
         try:
             real(self, done, total, info)
         finally:
             st = shared.state
             seen.append((st.job, st.job_count, st.job_no, st.sampling_step, st.sampling_steps, st.textinfo))
     monkeypatch.setattr(a1111_training.JobProgress, "__call__", spy)
-    return seen
+    return seen, pressed
+
+
+def _press_interrupt_at(s, monkeypatch, step):
+    return _press_interrupt_when(monkeypatch, lambda done, total, info: done == step)[0]
 
 
 def _lora_state(unet):
@@ -143,6 +149,43 @@ def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui,
     assert torch.allclose(p.standin_outputs[0], want, atol=1e-10, rtol=0)
 
 
+@dataclasses.dataclass
+class Allocating(Quick):
+    """Quick, with ranks allocated from measured error curves: the run has a rank allocation phase."""
+    uniform: bool = False
+
+
+def test_interrupt_before_the_steps_stops_there_and_says_which_phase(session, webui, monkeypatch):
+    """Interrupt in calibration (sampling, then capture), rank allocation and initialisation: the run stops at the
+    progress call that sees it (none after), the Report names the phase, how far it got and what a resume keeps; the
+    run resumed after each ends in the adapters of an uninterrupted run."""
+    monkeypatch.setattr(train_run, "TrainConfig", Allocating)
+    s = session
+    work = webui.models / "sdslim_work" / "phased.safetensors.work"
+    for stage, words, units, kept in (
+            ("calibration", "calibration", "trajectories", "the calibration starts over"),
+            ("capture", "calibration", "inputs", "the calibration starts over"),
+            ("rank curves", "rank allocation", "sites", "the sites already measured are kept"),
+            ("init", "initialisation", "sites", "the sites already initialised are kept")):
+        seen, pressed = _press_interrupt_when(monkeypatch, lambda d, t, info: info.get("stage") == stage
+                                              and info.get("done", 0) >= 1)
+        text, *_ = _train(s, filename="phased")
+        (at, info), = pressed
+        assert len(seen) == at + 1, f"{stage}: {len(seen) - at - 1} progress calls after Interrupt"
+        of = f" of {info['of']}" if info["of"] else ""
+        assert text.startswith(f"Interrupted during {words} ({info['done']}{of} {units} done); {kept}. "
+                               f"The run is kept in {work}: press Train with the same settings"), text
+        assert "step 0 of 0" not in text and work.is_dir()
+    text, *_ = _train(s, filename="phased")
+    assert text.startswith("adapters written to "), text
+    _train(s, filename="fresh")
+    resumed = AdapterSet.load(webui.adapters / "phased.safetensors")
+    fresh = AdapterSet.load(webui.adapters / "fresh.safetensors")
+    assert resumed.state_dict().keys() == fresh.state_dict().keys()
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k
+
+
 def test_the_teacher_is_the_unet_without_loras_in_copies(session):
     s = session
     s.generate("cat <lora:a:0.8>", mode="Off")
@@ -195,10 +238,12 @@ def test_refusals_leave_everything_as_it_was(session, webui):
     text, *_ = _train(s, filename="mine")
     assert "mine.safetensors exists" in text and (webui.adapters / "mine.safetensors").read_bytes() == b"user's file"
     for bad, message in ((dict(prompts=" \n "), "at least one prompt"), (dict(ratio=1.5), "ratio"),
-                         (dict(size=100), "multiple of 64"), (dict(steps=2.5), "steps"),
-                         (dict(budget="lots"), "budget"), (dict(filename="../x"), "relative name")):
-        *_, html = _train(s, **bad)
-        assert message in html and "class='error'" in html, (bad, html)
+                         (dict(ratio="half"), "ratio must be a number"), (dict(size=100), "multiple of 64"),
+                         (dict(steps=2.5), "steps"), (dict(budget="lots"), "budget"),
+                         (dict(filename="../x"), "relative name")):
+        text, *_, html = _train(s, **bad)           # in words in the Report box, like the refusals above
+        assert message in text and "Error" not in text, (bad, text)
+        assert "error" not in html and "Time taken" in html, (bad, html)
     assert not (webui.models / "sdslim_work").exists()
     assert a1111_training.model_refusal(None, False, False).startswith("SD Slim training needs a loaded")
     assert "Forge" in a1111_training.model_refusal(s.sd_model, True, False)

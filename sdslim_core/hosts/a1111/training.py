@@ -93,7 +93,10 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
             raise ValueError(f"SD Slim training: budget {budget!r}: {err}") from None
         ratio = None
     else:
-        ratio = float(ratio)
+        try:
+            ratio = float(ratio)
+        except (TypeError, ValueError):
+            raise ValueError(f"SD Slim training: ratio must be a number in (0, 1], got {ratio!r}") from None
         if not 0 < ratio <= 1:
             raise ValueError(f"SD Slim training: ratio must be in (0, 1], got {ratio}")
     size = _whole(size, "size", 0, 4096)
@@ -207,14 +210,24 @@ def calibration(conds: list, negative, empty: torch.Tensor, prompts, negative_te
     return calib, notes
 
 
+# the trainer's phases before its optimizer steps: (what the tab calls it, its units, what a resume keeps of it)
+PHASES = {"calibration": ("calibration", "trajectories", "the calibration starts over"),
+          "capture": ("calibration", "inputs", "the calibration starts over"),
+          "rank curves": ("rank allocation", "sites", "the sites already measured are kept"),
+          "init": ("initialisation", "sites", "the sites already initialised are kept")}
+
+
 class JobProgress:
     """The trainer's ``progress(done, total, info)`` as a webui job's state (``shared.state``): one job whose steps
     are the trainer's optimizer steps (``sampling_step`` of ``sampling_steps``, as a generation reports its sampler
-    steps), ``textinfo`` the stage, site and loss. Raises :class:`Interrupted` once ``state.interrupted`` is set."""
+    steps), ``textinfo`` the stage, site and loss. Raises :class:`Interrupted` once ``state.interrupted`` is set,
+    at the step or the unit of a phase before the steps (:data:`PHASES`) it hears of next."""
 
     def __init__(self, state):
         self.state = state
         self.done = self.total = 0
+        self.phase = None                     # the info of a phase before the steps, while in one
+        self.stage = None                     # the optimizer steps' stage
         state.job = JOB
         state.job_count, state.job_no = 1, 0
         state.sampling_step = state.sampling_steps = 0
@@ -228,18 +241,29 @@ class JobProgress:
         s = self.state
         s.sampling_steps, s.sampling_step = total, done
         if "of" in info:                      # a phase before the optimizer steps: calibration, rank curves, init
+            self.phase = info
             self.say(f"{info['stage']} {info['done']} of {info['of']}")
         else:
+            self.phase, self.stage = None, info.get("stage", "?")
             where = short_site(info["site"]) if "site" in info else f"p={info['p']}" if "p" in info else ""
             loss = f", loss {info['loss']:.4g}" if "loss" in info else ""
-            self.say(f"stage {info.get('stage', '?')} {where}, step {done} of {total}{loss}")
+            self.say(f"stage {self.stage} {where}, step {done} of {total}{loss}")
         if getattr(s, "interrupted", False):
-            raise Interrupted(f"interrupted at step {done} of {total}")
+            raise Interrupted(self.where())
+
+    def where(self) -> str:
+        """Where the run is, in the tab's words (``at step 20 of 32 (stage 1)``, ``during rank allocation (3 of 15
+        sites done)``), and what a resume keeps of it."""
+        if self.phase is None:
+            return f"at step {self.done} of {self.total} (stage {self.stage}); it resumes from its last checkpoint"
+        name, units, kept = PHASES.get(self.phase["stage"], (self.phase["stage"], "units", "it is done again"))
+        of = f" of {self.phase['of']}" if self.phase["of"] else ""
+        return f"during {name} ({self.phase['done']}{of} {units} done); {kept}"
 
 
 def interrupted_text(job: JobProgress, work: str) -> str:
-    return (f"Interrupted at step {job.done} of {job.total}. The run is kept in {work}: press Train with the same "
-            "settings to continue it (the result equals an uninterrupted run).")
+    return (f"Interrupted {job.where()}. The run is kept in {work}: press Train with the same settings to continue "
+            "it (the result equals an uninterrupted run).")
 
 
 def finished_text(out: str, report, notes: list[str]) -> str:

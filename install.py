@@ -1,11 +1,14 @@
 """AUTOMATIC1111 installer: pip-installs what SD Slim needs from requirements.txt through the webui's helpers.
 
 The webui runs this file at start-up and after an install from the Extensions tab, with its own ``launch``
-module importable. torch, torchvision, torchaudio and xformers are never installed or changed here: the
-webui owns them.
+module importable. It only adds packages: each pip call is constrained to the versions already installed
+(:func:`installed_pins`), so pip picks releases that fit the webui's pins (with webui v1.10.1 a diffusers that
+works with its huggingface_hub and safetensors) or fails, and never changes one of the webui's packages. torch,
+torchvision, torchaudio and xformers are never installed: the webui owns them.
 """
 import os
 import re
+import tempfile
 
 import launch
 
@@ -50,11 +53,41 @@ def needed(name, line):
         return None
 
 
+def _canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_pins(except_name=None):
+    """``name==version`` of every installed distribution but ``except_name`` (the one being upgraded), first on
+    the path first, as pip sees them; none when ``packaging`` is missing to check the versions."""
+    try:
+        from importlib.metadata import distributions
+        from packaging.version import InvalidVersion, Version
+    except ImportError:
+        return []
+    pins = {}
+    for dist in distributions():
+        name, version = dist.metadata["Name"], dist.version
+        if not name or not version or _canonical(name) == _canonical(except_name or ""):
+            continue
+        try:
+            Version(version)
+        except InvalidVersion:      # pip refuses such a constraint line; it cannot be pinned
+            continue
+        pins.setdefault(_canonical(name), f"{name}=={version}")
+    return list(pins.values())
+
+
 def main(path=REQUIREMENTS):
-    for name, line in requirements(path):
-        target = needed(name, line)
-        if target is not None:
-            launch.run_pip(f'install "{target}"', f"SD Slim requirement: {target}")
+    with tempfile.TemporaryDirectory(prefix="sdslim-install-") as tmp:
+        constraints = os.path.join(tmp, "installed.txt")
+        for name, line in requirements(path):
+            target = needed(name, line)
+            if target is None:
+                continue
+            with open(constraints, "w", encoding="utf8") as f:
+                f.write("".join(pin + "\n" for pin in installed_pins(except_name=name)))
+            launch.run_pip(f'install "{target}" -c "{constraints}"', f"SD Slim requirement: {target}")
 
 
 if __name__ == "__main__":

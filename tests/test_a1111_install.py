@@ -1,6 +1,11 @@
-"""install.py with the stand-in ``launch`` (which records pip calls instead of running pip)."""
+"""install.py with the stand-in ``launch`` (which records pip calls instead of running pip); with
+``SDSLIM_WEBUI_VENV=1`` (needs the package index, a few minutes) also in a venv made from webui v1.10.1's
+requirements_versions.txt, with a ``launch`` that runs pip."""
 import importlib.util
+import json
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -29,9 +34,48 @@ def test_installs_missing_or_too_old_requirements_never_torch(install, tmp_path)
                    'nvidia-ml-py; sys_platform == "nowhere"\n')
     assert not calls
     module.main(str(req))
-    assert calls == [('install "psutil>=999"', "SD Slim requirement: psutil>=999"),
-                     ('install "sdslim-surely-missing-package==1.0"',
-                      "SD Slim requirement: sdslim-surely-missing-package==1.0")]
+    assert [(re.sub(r' -c ".+"$', "", c), d) for c, d in calls] == [
+        ('install "psutil>=999"', "SD Slim requirement: psutil>=999"),
+        ('install "sdslim-surely-missing-package==1.0"', "SD Slim requirement: sdslim-surely-missing-package==1.0")]
+
+
+def _dist(site, name, version):
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_pip_may_only_add_every_installed_version_is_a_constraint(install, tmp_path, monkeypatch):
+    """Each pip call is constrained to the installed distributions' versions, as pip itself lists them (so pip
+    picks, say, a diffusers that fits the webui's huggingface_hub instead of upgrading it), except the requirement
+    that call upgrades; the constraints file is removed afterwards."""
+    module, calls = install
+    site = tmp_path / "site"
+    _dist(site, "huggingface_hub", "0.36.2")        # first on the path: what the webui would have
+    _dist(site, "psutil", "1.0")
+    monkeypatch.syspath_prepend(str(site))
+    listed = subprocess.run([sys.executable, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                            check=True, env=dict(os.environ, PYTHONPATH=str(site))).stdout
+    want = {module._canonical(d["name"]): d["version"] for d in json.loads(listed)}
+    assert want["huggingface-hub"] == "0.36.2" and want["torch"]
+    pinned = []
+    import launch
+    record = launch.run_pip
+
+    def run_pip(command, desc=None, live=False):
+        target, constraints = re.fullmatch(r'install "(.+)" -c "(.+)"', command).groups()
+        lines = open(constraints, encoding="utf8").read().split()
+        pinned.append((target, constraints, {module._canonical(n): v for n, v in (p.split("==") for p in lines)}))
+        return record(command, desc, live)
+    monkeypatch.setattr(launch, "run_pip", run_pip)
+    req = tmp_path / "requirements.txt"
+    req.write_text("psutil>=999\nhuggingface-hub>=0.20\nsdslim-surely-missing-package==1.0\n")
+    module.main(str(req))
+    assert [t for t, _, _ in pinned] == ["psutil>=999", "sdslim-surely-missing-package==1.0"]
+    upgrade, add = pinned[0][2], pinned[1][2]
+    assert upgrade == {k: v for k, v in want.items() if k != "psutil"}     # psutil is the one being upgraded
+    assert add == want and add["psutil"] == "1.0"
+    assert not os.path.exists(pinned[0][1])
 
 
 def test_bad_requirement_lines_name_file_and_line(install, tmp_path):
@@ -50,3 +94,19 @@ def test_the_shipped_requirements_parse_and_leave_torch_to_the_webui(install):
         pytest.skip("requirements.txt not written yet")
     names = [n.lower() for n, _ in module.requirements(path)]
     assert names and not {"torch", "torchvision", "xformers"} & set(names)
+
+
+@pytest.mark.skipif(os.environ.get("SDSLIM_WEBUI_VENV") != "1", reason="SDSLIM_WEBUI_VENV=1: builds a webui venv "
+                    "from the package index (minutes)")
+def test_in_a_webui_v1_10_1_venv_install_py_only_adds_and_pip_check_is_clean(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    try:
+        from a1111_venv import build
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tests"))
+    result = build.check(tmp_path / "venv")
+    assert result["install_rc"] == 0, result["install_log"]
+    assert result["changed"] == {}, result["changed"]
+    assert result["pip_check_rc"] == 0, result["pip_check"]
+    assert result["imports_after"] == result["imports_before"]
+    assert {"diffusers", "lycoris-lora"} <= result["added"].keys(), result["added"]

@@ -265,3 +265,16 @@ def test_unreadable_model_files_name_themselves(tmp_path, model_files):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(FileFormatError, match=str(tmp_path / name).replace(".", r"\.")):
             settings_from_ckpt(str(tmp_path / name), resolution=64)
+
+
+def test_diffusers_folder_and_single_file_give_one_unet(tmp_path):
+    from sdslim_core import layout
+    from sdslim_core.io.tensors import LazyStateDict, save_file_atomic
+    from sdslim_core.vram.settings import settings_from_ckpt
+    lazy = LazyStateDict(TINY_CKPT)
+    canonical = layout.to_canonical({k: lazy[k] for k in lazy.keys()})[0]
+    cfg = layout.config_from_state_dict(canonical)
+    save_file_atomic({layout.canonical_to_diffusers_key(cfg, k): v for k, v in canonical.items()},
+                     tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    folder, single = settings_from_ckpt(str(tmp_path), resolution=64), settings_from_ckpt(TINY_CKPT, resolution=64)
+    assert folder.unet_config == single.unet_config and folder.slim_ranks is None is single.slim_ranks

@@ -1,4 +1,5 @@
-"""Training/sampling settings shared by the estimator and the GPU study (torch-free).
+"""Training/sampling settings shared by the estimator and the GPU study (torch-free at import; reading a ``--ckpt``
+file imports sdslim's file readers).
 
 A ``Settings`` is one curve: everything but the batch size. ``MATRIX`` is the seed study's
 one-change-at-a-time matrix (SD1.5, 768 px, AMP bf16, AdamW, text encoder frozen, no VAE).
@@ -162,20 +163,20 @@ def settings_from_ckpt(path: str, **overrides) -> Settings:
     ranks: the slim UNet), a plain ``.gguf`` (shapes); a GGUF file's quantised tensors in ``quantised``.
     FileFormatError (naming the file) when it is none of these."""
     from ..io import slim_checkpoint
-    path_ = Path(path)
+    file = Path(path)
     ranks = quantised = None
-    if path_.suffix.lower() == ".gguf":
+    if file.suffix.lower() == ".gguf":
         from ..io import gguf
-        f, keys, cfg, meta = gguf.read_header(path_)
+        f, keys, cfg, meta = gguf.read_header(file)
         if f.fields.get(slim_checkpoint.SLIM_KEY) == "1":
             ranks = meta.get("sdslim.ranks")
         quantised = {k: [f.types[n], f.nbytes(n)] for k, n in keys.items() if f.types[n] not in gguf.FLOAT_TYPES}
-    elif slim_checkpoint.is_slim_checkpoint(path_):
-        cfg, meta = slim_checkpoint.read_slim(path_)[4:]
+    elif slim_checkpoint.is_slim_checkpoint(file):
+        cfg, meta = slim_checkpoint.read_slim(file)[4:]
         ranks = meta.get("sdslim.ranks")
     else:
         from ..modules.unet import open_checkpoint
-        cfg = open_checkpoint(path_).config
+        cfg = open_checkpoint(file).config
     if ranks is not None and not (isinstance(ranks, dict) and ranks):
         from ..io.tensors import FileFormatError
         raise FileFormatError(f"{path}: a slim checkpoint without readable sdslim.ranks metadata")

@@ -265,7 +265,7 @@ def test_planner_matches_vram_estimate_json(page, root):
     assert head[:5] == ["UNet", "batch", "peak GiB", "peak bytes", "phase"] and head[5:10] == list(BREAKDOWN_GROUPS)
     assert len(rows) == 1 + len(expected["points"])
     for row, p in zip(rows[1:], expected["points"]):
-        assert row[:5] == ["original", str(p["batch"]), f"{p['peak_gib']:.3f}", f"{p['peak_bytes']:,}", p["phase"]]
+        assert row[:5] == [f"original ({expected['n_params'] / 1e6:.1f}M)", str(p["batch"]), f"{p['peak_gib']:.3f}", f"{p['peak_bytes']:,}", p["phase"]]
         groups = grouped_breakdown(p["breakdown_gib"])
         assert row[5:10] == [f"{groups[g]:.3f}" for g in BREAKDOWN_GROUPS]
         assert row[10] == ("yes" if p["peak_gib"] <= 0.05 else "no")

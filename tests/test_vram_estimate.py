@@ -168,3 +168,113 @@ def test_slim_sampling_below_original():
                                    batch_sizes=(1,), timeout=600)
     assert slim.points[0]["peak_gib"] < orig.points[0]["peak_gib"]
     assert slim.n_params < 0.7 * orig.n_params  # the half preset keeps 528M of 859.5M
+
+
+# -- --ckpt of a slim or GGUF file: the UNet the file holds ----------------------------------------------------
+
+ASSETS = os.path.join(os.path.dirname(HERE), "sdslim_core", "tiny", "assets")
+TINY_CKPT = os.path.join(ASSETS, "tiny_sd15.safetensors")
+TINY_ADAPTERS = os.path.join(ASSETS, "tiny_sd15_slim_half.safetensors")
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    """Files `sdslim slim` writes of the shipped tiny model: slim .safetensors, slim Q8_0 .gguf, plain Q8_0 .gguf."""
+    from sdslim_core.apps.slim import slim_checkpoint
+    d = tmp_path_factory.mktemp("vram_ckpt")
+    files = {"slim": d / "slim.safetensors", "slim_gguf": d / "slim.gguf", "plain_gguf": d / "plain.gguf"}
+    slim_checkpoint(TINY_CKPT, TINY_ADAPTERS, files["slim"])
+    slim_checkpoint(TINY_CKPT, TINY_ADAPTERS, files["slim_gguf"], quant="Q8_0")
+    slim_checkpoint(TINY_CKPT, None, files["plain_gguf"], quant="Q8_0")
+    return {k: str(v) for k, v in files.items()}
+
+
+def file_tensors(path):
+    """[(numel, GGUF type, stored bytes)] of a file's UNet tensors, read by the gguf package / the header itself."""
+    if path.endswith(".gguf"):
+        import gguf
+        return [(int(t.n_elements), t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors
+                if not t.name.startswith("sdslim.")]
+    from sdslim_core.io.tensors import read_header
+    return [(math.prod(shape), None, None) for k, (_, shape) in read_header(path)[0].items()
+            if k.startswith("model.diffusion_model.")]
+
+
+def test_slim_files_estimate_their_own_unet(model_files):
+    from dataclasses import replace
+
+    from sdslim_core.io.adapters import AdapterSet
+    from sdslim_core.vram.settings import settings_from_ckpt
+    kw = dict(resolution=64, precision="full-bf16", sampling=True)
+    slim, gguf, plain = (settings_from_ckpt(model_files[k], **kw) for k in ("slim", "slim_gguf", "plain_gguf"))
+    assert slim.slim_ranks == gguf.slim_ranks == AdapterSet.load(TINY_ADAPTERS, lazy=True).ranks()
+    assert slim.quantised is None and plain.slim_ranks is None
+    entries = [("slim", slim, "slim"), ("gguf", gguf, "slim"), ("plain", plain, "slim"),
+               ("gguf_as_float", replace(gguf, quantised=None), "slim"),
+               ("loader", replace(slim, slim_ranks=None, model_factory="vram_toy_models:file_unet"), "slim"),
+               ("loader_gguf", replace(gguf, slim_ranks=None, quantised=None,
+                                       model_factory="vram_toy_models:file_unet"), "slim")]
+    res = {r.name: r for r in estimate_many(entries, batch_sizes=(1, 2), env=ENV, timeout=600)}
+    # the slim file's estimate is that of its UNet as sdslim's loader builds it from the file's shapes
+    for name, ref in (("slim", "loader"), ("gguf_as_float", "loader_gguf"), ("gguf_as_float", "slim")):
+        assert res[name].points == res[ref].points, name
+    unet_params = lambda path: sum(n for n, _, _ in file_tensors(path))  # noqa: E731
+    assert res["slim"].n_params == res["gguf"].n_params == unet_params(model_files["slim"])
+    assert res["plain"].n_params == unet_params(model_files["plain_gguf"]) > 1.3 * res["slim"].n_params
+    assert (res["slim"].unet, res["plain"].unet) == ("slim (ckpt)", "original")
+    assert "(slim ckpt)" in res["slim"].format_text() and f"{res['slim'].n_params:,} UNet" in res["slim"].format_text()
+    # quantised GGUF: its quantised tensors take their file bytes, the float ones 2 bytes (full-bf16)
+    for name in ("gguf", "plain"):
+        path = model_files["slim_gguf" if name == "gguf" else "plain_gguf"]
+        stored = sum(rounded(b if t not in ("F32", "F16", "BF16") else 2 * n) for n, t, b in file_tensors(path))
+        assert res[name].points[0]["phase_start_bytes"]["data"] == {"frozen": stored}, name
+        assert "GGUF Q8_0 kept quantised" in res[name].settings.label()
+    assert res["gguf"].points[1]["peak_bytes"] < res["slim"].points[1]["peak_bytes"]
+
+
+def test_planner_and_cli_estimate_a_slim_file_as_one_slim_curve(model_files):
+    from sdslim_core.cli.vram import estimate_results
+    from sdslim_core.ui import actions
+    from sdslim_core.ui.paths import Roots
+    from sdslim_core.vram.settings import settings_from_ckpt
+    form = actions.PlanForm(source="checkpoint", ckpt=model_files["slim_gguf"], task="sampling", batch_sizes="1",
+                            resolution=64, precision="full-bf16")
+    argv = actions.estimate_argv(form, Roots([os.path.dirname(model_files["slim_gguf"])]))
+    args = actions.parse_estimate_argv(argv)
+    results = estimate_results(args, timeout=600)
+    plan = actions.PlanResult(argv, results, {}, 0.0)
+    (res,) = results
+    assert (res.name, res.unet, res.settings.sampling) == ("slim", "slim (ckpt)", True)
+    assert res.settings.quantised and res.n_params == sum(n for n, _, _ in file_tensors(model_files["slim_gguf"]))
+    assert f"| slim (ckpt) ({res.n_params / 1e6:.1f}M) | 1 |" in actions.plan_table(plan, None)
+    assert f"slim (ckpt) UNet ({res.n_params:,} parameters" in actions.plan_summary(plan, None)
+    with pytest.raises(ValueError, match="slim checkpoint already"):
+        settings_from_ckpt(model_files["slim"], slim_ratio=0.5)
+
+
+def test_unreadable_model_files_name_themselves(tmp_path, model_files):
+    from sdslim_core.io.tensors import FileFormatError
+    from sdslim_core.vram.settings import settings_from_ckpt
+    with open(model_files["slim"], "rb") as f:
+        head = f.read(4096)
+    with open(model_files["slim_gguf"], "rb") as f:
+        gguf_head = f.read(4096)
+    cases = {"cut.safetensors": head, "cut.gguf": gguf_head, "zip.safetensors": b"PK\x03\x04 not safetensors",
+             "text.gguf": b"not a gguf file at all"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(FileFormatError, match=str(tmp_path / name).replace(".", r"\.")):
+            settings_from_ckpt(str(tmp_path / name), resolution=64)
+
+
+def test_diffusers_folder_and_single_file_give_one_unet(tmp_path):
+    from sdslim_core import layout
+    from sdslim_core.io.tensors import LazyStateDict, save_file_atomic
+    from sdslim_core.vram.settings import settings_from_ckpt
+    lazy = LazyStateDict(TINY_CKPT)
+    canonical = layout.to_canonical({k: lazy[k] for k in lazy.keys()})[0]
+    cfg = layout.config_from_state_dict(canonical)
+    save_file_atomic({layout.canonical_to_diffusers_key(cfg, k): v for k, v in canonical.items()},
+                     tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    folder, single = settings_from_ckpt(str(tmp_path), resolution=64), settings_from_ckpt(TINY_CKPT, resolution=64)
+    assert folder.unet_config == single.unet_config and folder.slim_ranks is None is single.slim_ranks

@@ -1,14 +1,12 @@
-"""Torch-free parts of sdslim_core.vram: curve fits, classification, settings, safetensors shapes."""
+"""Torch-free parts of sdslim_core.vram: curve fits, classification, settings."""
 import json
-import struct
 import subprocess
 import sys
 
 import pytest
 
 from sdslim_core.vram.fit import classify, fit_curve, fit_line, fit_table, kink_note
-from sdslim_core.vram.settings import (MATRIX, Settings, parse_batch_sizes, read_safetensors_shapes, select_matrix,
-                                       with_overrides)
+from sdslim_core.vram.settings import MATRIX, Settings, parse_batch_sizes, select_matrix, with_overrides
 
 
 def _points(a, b, plateau, batches):
@@ -87,18 +85,6 @@ def test_parse_batch_sizes():
     for bad in ("", "0,1", "a,b"):
         with pytest.raises(ValueError):
             parse_batch_sizes(bad)
-
-
-def test_read_safetensors_shapes(tmp_path):
-    header = {"a.weight": {"dtype": "F16", "shape": [3, 4], "data_offsets": [0, 24]},
-              "__metadata__": {"x": "y"}}
-    raw = json.dumps(header).encode()
-    path = tmp_path / "m.safetensors"
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 24)
-    assert read_safetensors_shapes(str(path)) == {"a.weight": (3, 4)}
-    (tmp_path / "bad.safetensors").write_bytes(b"PK\x03\x04 not safetensors")
-    with pytest.raises(ValueError, match="not a .safetensors"):
-        read_safetensors_shapes(str(tmp_path / "bad.safetensors"))
 
 
 def test_package_import_is_light():

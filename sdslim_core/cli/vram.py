@@ -23,7 +23,8 @@ def register(subparsers):
     _add_setting_args(est)
     est.add_argument("--batch-sizes", default="1,2,4,8")
     est.add_argument("--sampling", action="store_true", help="inference (one UNet evaluation) instead of training")
-    est.add_argument("--slim-ratio", type=float, default=0.0, help="estimate the slim UNet at this ratio too")
+    est.add_argument("--slim-ratio", type=float, default=0.0, help="estimate the slim UNet at this ratio too "
+                     "(not with a slim --ckpt: its own ranks are estimated)")
     est.add_argument("--matrix", default=None, help="run the study matrix instead: all|finetune|lora|small|NAME,...")
     est.add_argument("--out", default=None, help="write JSON/CSV/PNG/fit table into this folder")
     est.add_argument("--timeout", type=float, default=None, help="seconds before the worker is stopped")
@@ -45,7 +46,8 @@ def register(subparsers):
 
 def _add_setting_args(p):
     p.add_argument("--arch", choices=ARCHS, default="sd15")
-    p.add_argument("--ckpt", default=None, help="read the UNet shapes from this .safetensors")
+    p.add_argument("--ckpt", default=None, help="the UNet of this file (header only): an original or slim "
+                   ".safetensors, a diffusers folder, a slim or plain .gguf (quantised tensors kept so when sampling)")
     p.add_argument("--resolution", type=int, default=None, help="image size in px (default 768; SDXL 1024)")
     p.add_argument("--precision", choices=PRECISIONS, default="amp-bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")

@@ -51,7 +51,8 @@ SMALL = 1024                                            # at most this many elem
 RESHAPE_MIN = 512                                       # the converter reshapes from this many elements
 ROW = 256
 BLOCK = 32
-_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_TYPES = ("F32", "F16", "BF16")                   # stored as plain floats; every other type is quantised
+_TORCH = dict(zip(FLOAT_TYPES, (torch.float32, torch.float16, torch.bfloat16)))
 
 
 class GGUFError(ValueError):
@@ -255,6 +256,10 @@ class GGUFFile(Mapping):
         """The stored data of ``name`` (numpy, as written: blocks for quantised types)."""
         return self._tensors[name].data
 
+    def nbytes(self, name: str) -> int:
+        """The bytes ``name``'s data takes in the file (in its stored type)."""
+        return int(self._tensors[name].n_bytes)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
         return decode(t.data, self.types[name], self.entries[name][1])
@@ -280,9 +285,15 @@ def unet_keys(names) -> dict:
 def read_unet(path) -> tuple[dict, layout.UNetConfig, dict]:
     """(canonical UNet weights, dequantised by the gguf package; full-size config; sdslim metadata) of a GGUF file
     (slim or not; the config is the recorded ``sdslim.unet_config``, else read from the shapes)."""
-    f = GGUFFile(path)
-    keys, cfg, meta = _config(f)
+    f, keys, cfg, meta = read_header(path)
     return {k: f[n] for k, n in keys.items()}, cfg, meta
+
+
+def read_header(path) -> tuple[GGUFFile, dict, layout.UNetConfig, dict]:
+    """(file, canonical key → tensor name, full-size config, sdslim metadata) of a GGUF UNet file, slim or not; no
+    tensor is read (the config is the recorded ``sdslim.unet_config``, else read from the shapes)."""
+    f = GGUFFile(path)
+    return (f, *_config(f))
 
 
 def read_slim(path) -> tuple[GGUFFile, dict, layout.UNetConfig, dict]:

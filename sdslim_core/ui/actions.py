@@ -207,10 +207,6 @@ class Planner:
         return True
 
 
-def _curve_label(result) -> str:
-    return f"slim {result.settings.slim_ratio:g}" if result.settings.slim_ratio else "original"
-
-
 def gib(x: float) -> str:
     return f"{x:.3f}"
 
@@ -224,7 +220,8 @@ def plan_table(plan: PlanResult, gpu_gib: float | None) -> str:
     for r in plan.results:
         for p in r.points:
             groups = grouped_breakdown(p["breakdown_gib"])
-            row = [_curve_label(r), str(p["batch"]), gib(p["peak_gib"]), f"{p['peak_bytes']:,}", p["phase"]]
+            row = [f"{r.unet} ({r.n_params / 1e6:.1f}M)", str(p["batch"]), gib(p["peak_gib"]),
+                   f"{p['peak_bytes']:,}", p["phase"]]
             row += [gib(groups[g]) for g in BREAKDOWN_GROUPS]
             if gpu_gib:
                 row.append("yes" if p["peak_gib"] <= gpu_gib else "**no**")
@@ -242,7 +239,7 @@ def plan_summary(plan: PlanResult, gpu_gib: float | None) -> str:
         fit = f"{f.intercept_gib:.2f} + {f.slope_gib:.3f}·B GiB"
         if f.plateau_gib:
             fit = f"max({f.plateau_gib:.2f}, {fit})"
-        line = f"- {_curve_label(r)} UNet ({r.n_params:,} parameters, {r.n_trainable:,} trained): peak(B) = {fit}"
+        line = f"- {r.unet} UNet ({r.n_params:,} parameters, {r.n_trainable:,} trained): peak(B) = {fit}"
         batches = [p["batch"] for p in r.points]
         if gpu_gib and len(batches) > 1:
             fits = largest_batch(f, gpu_gib)
@@ -263,7 +260,7 @@ def plan_summary(plan: PlanResult, gpu_gib: float | None) -> str:
 
 def plan_figure(plan: PlanResult, gpu_gib: float | None, gpu_label: str = ""):
     """Peak vs batch size (one line per UNet), the GPU's memory as a red line."""
-    curves = [{"name": _curve_label(r), "points": r.points} for r in plan.results]
+    curves = [{"name": r.unet, "points": r.points} for r in plan.results]
     limit = (gpu_gib, gpu_label or f"GPU memory {gpu_gib:g} GiB") if gpu_gib else None
     return figure_curves(curves, plan.results[0].settings.label(), limit=limit, size=(7.0, 4.0))
 

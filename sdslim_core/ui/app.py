@@ -8,7 +8,7 @@ own process), so one tab's job never blocks another.
 from ..io.files import format_bytes
 from . import actions
 from .actions import PlanForm, Planner
-from .paths import Roots
+from .paths import SAFETENSORS, Roots
 
 MAX_LORAS = 4
 NONE = ("— none —", "")
@@ -40,18 +40,21 @@ def build_app(roots: Roots, planner: Planner | None = None):
     gpu_gib, gpu_note = actions.gpu_memory()
     skip = gr.skip
 
-    def files(optional=False):
-        return ([NONE] if optional else []) + roots.files()
+    def files(optional=False, suffixes=SAFETENSORS):
+        return ([NONE] if optional else []) + roots.files(suffixes)
 
-    def file_picker(label, elem_id, optional=False, visible=True):
-        return gr.Dropdown(files(optional), value="" if optional else None, label=label, elem_id=elem_id,
-                           allow_custom_value=True, filterable=True, visible=visible)
+    def file_picker(label, elem_id, optional=False, visible=True, suffixes=SAFETENSORS):
+        picker = gr.Dropdown(files(optional, suffixes), value="" if optional else None, label=label,
+                             elem_id=elem_id, allow_custom_value=True, filterable=True, visible=visible)
+        listed[id(picker)] = suffixes
+        return picker
 
-    def model_source(prefix):
+    def model_source(prefix, suffixes=SAFETENSORS):
         """The family/checkpoint choice of a tab: (source radio, family dropdown, checkpoint picker)."""
         source = gr.Radio(["family", "checkpoint"], value="family", label="model", elem_id=f"{prefix}-source")
         arch = gr.Dropdown(list(actions.ARCHS), value="sd15", label="family", elem_id=f"{prefix}-arch")
-        return source, arch, file_picker("checkpoint (.safetensors)", f"{prefix}-ckpt", visible=False)
+        kinds = ", ".join(suffixes)
+        return source, arch, file_picker(f"checkpoint ({kinds})", f"{prefix}-ckpt", visible=False, suffixes=suffixes)
 
     def lora_slots(prefix):
         slots = []
@@ -71,7 +74,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
     def pairs(values):
         return [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
 
-    pickers = []
+    pickers, listed = [], {}  # listed: id(picker) -> the file suffixes it lists
     with gr.Blocks(title="sdslim", analytics_enabled=False) as app:
         gr.Markdown("## sdslim — plan VRAM, see where the parameters are, slim and compare\n"
                     f"Files are read and written only in: `{'`, `'.join(roots.folders)}`.")
@@ -81,7 +84,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
             with gr.Tab("VRAM planner", id="planner", elem_id="tab-planner"):
                 with gr.Row():
                     with gr.Column(scale=1, min_width=320):
-                        p_source, p_arch, p_ckpt = model_source("plan")
+                        p_source, p_arch, p_ckpt = model_source("plan", SAFETENSORS + (".gguf",))
                         p_task = gr.Radio(list(actions.TASKS), value="full fine-tune", label="task",
                                           elem_id="plan-task")
                         p_batches = gr.Textbox("1,2,4,8", label="batch sizes", elem_id="plan-batches",
@@ -189,7 +192,7 @@ def build_app(roots: Roots, planner: Planner | None = None):
         optional = {id(p) for p in [c_emb] + s_loras[::2] + c_loras[::2]}
 
         def on_rescan():
-            return [gr.Dropdown(choices=files(id(p) in optional)) for p in pickers]
+            return [gr.Dropdown(choices=files(id(p) in optional, listed[id(p)])) for p in pickers]
 
         rescan.click(on_rescan, outputs=pickers)
 

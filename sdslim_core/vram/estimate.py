@@ -69,9 +69,16 @@ class EstimateResult:
             "n_params": self.n_params, "n_trainable": self.n_trainable,
         }
 
+    @property
+    def unet(self) -> str:
+        """Which UNet the curve is of: ``original``, ``slim 0.5`` (at a ratio) or ``slim (ckpt)`` (a slim
+        checkpoint's own)."""
+        s = self.settings
+        return "slim (ckpt)" if s.slim_ranks else f"slim {s.slim_ratio:g}" if s.slim_ratio else "original"
+
     def format_text(self) -> str:
         s = self.settings
-        lines = [f"{self.name}: {s.label()}  (estimate, fake {self.device_mode})"]
+        lines = [f"{self.name}: {s.label()}, {self.n_params:,} UNet parameters  (estimate, fake {self.device_mode})"]
         for p in self.points:
             top = sorted(p["breakdown_gib"].items(), key=lambda kv: -kv[1])[:4]
             parts = ", ".join(f"{k} {v:.2f}" for k, v in top)
@@ -181,9 +188,11 @@ def estimate_matrix(spec="all", batch_sizes=(1, 2, 4, 8), **worker_kw) -> list:
 
 
 def estimate_sampling(settings: Settings, batch_sizes=(1,), **worker_kw) -> list:
-    """Sampling peak of the original UNet and, when ``settings.slim_ratio`` is set, of the slim one."""
+    """Sampling peak of the original UNet and, when ``settings.slim_ratio`` is set, of the slim one (of a slim
+    checkpoint's ``settings.slim_ranks``: that slim UNet alone)."""
     from dataclasses import replace
-    jobs = [("original", replace(settings, sampling=True, slim_ratio=0.0), "original")]
+    first = "slim" if settings.slim_ranks else "original"
+    jobs = [(first, replace(settings, sampling=True, slim_ratio=0.0), first)]
     if settings.slim_ratio:
         jobs.append((f"slim-{settings.slim_ratio:g}", replace(settings, sampling=True), "original"))
     return estimate_many(jobs, batch_sizes, **worker_kw)

@@ -56,6 +56,9 @@ def run_job(job, device):
 
     settings = Settings.from_dict(job["settings"])
     warnings = [device.note] if device.note else []
+    if settings.quantised and not settings.sampling:
+        warnings.append("training: the GGUF file's quantised weights are estimated as --precision says "
+                        "(quantised weights are not trained)")
     bnb = _real_bnb() if settings.optimizer == "adamw8bit" and not settings.sampling else None
     fake = FakeTensorMode(allow_non_fake_inputs=bnb is not None)  # bnb moves real quantisation maps
     started = time.perf_counter()
@@ -94,7 +97,7 @@ def run_job(job, device):
               file=sys.stderr, flush=True)
     return {"name": job["name"], "settings": settings.to_dict(), "device": device.type, "device_mode": device.mode,
             "warnings": warnings, "points": points, "seconds": time.perf_counter() - started,
-            "n_params": sum(p.numel() for p in model.parameters()), "n_trainable": sum(p.numel() for p in trainable)}
+            "n_params": harness.parameter_count(model), "n_trainable": sum(p.numel() for p in trainable)}
 
 
 def main() -> int:

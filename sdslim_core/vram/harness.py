@@ -47,9 +47,10 @@ def original_unet(settings):
     return UNet2DConditionModel(**unet_config(settings))
 
 
-def slim_of(unet, ratio):
-    """``unet`` slimmed at ``ratio`` with identity-like adapters (the first r units of every site kept), built
-    on the device of the current ``torch.device`` context; untouched weights are shared with ``unet``."""
+def slim_of(unet, ratio, ranks=None):
+    """``unet`` slimmed at ``ratio`` (or to ``ranks``, site -> rank) with identity-like adapters (the first r units
+    of every site kept), built on the device of the current ``torch.device`` context; untouched weights are shared
+    with ``unet``."""
     try:
         from sdslim_core.io import adapters
         from sdslim_core.modules import swap
@@ -57,18 +58,20 @@ def slim_of(unet, ratio):
     except ImportError as err:
         raise RuntimeError(f"--slim-ratio needs sdslim_core.io.adapters/swap ({err})") from err
     cfg = swap.tree_config(unet)
-    aset = adapters.AdapterSet.shaped_like(canonical_shapes(cfg), cfg.family, ratio=ratio)
+    aset = adapters.AdapterSet.shaped_like(canonical_shapes(cfg), cfg.family, ratio=ratio, ranks=ranks)
     return swap.slim_module(unet, aset)
 
 
 def slim_unet(settings):
-    """The slim UNet at ``settings.slim_ratio``: identity-like adapters folded into the original."""
-    return slim_of(original_unet(settings), settings.slim_ratio)
+    """The slim UNet at ``settings.slim_ratio`` or of a slim checkpoint's ``settings.slim_ranks``: identity-like
+    adapters folded into the original."""
+    return slim_of(original_unet(settings), settings.slim_ratio, settings.slim_ranks)
 
 
 def build_model(settings):
     """Instantiate the model named by ``settings.model_factory`` (default: original or slim UNet)."""
-    spec = settings.model_factory or (f"{__name__}:slim_unet" if settings.slim_ratio else f"{__name__}:original_unet")
+    slim = settings.slim_ratio or settings.slim_ranks
+    spec = settings.model_factory or (f"{__name__}:slim_unet" if slim else f"{__name__}:original_unet")
     module_name, _, func = spec.partition(":")
     return getattr(importlib.import_module(module_name), func)(settings)
 
@@ -267,8 +270,48 @@ def sampling_step(unet, settings, batch, device, on_phase=lambda phase: None):
 
 
 def prepare_sampling(unet, settings, xformers_fn):
-    """Inference dtypes (full-bf16 -> bf16 weights; amp-bf16/fp32 -> fp32 weights) and attention."""
-    cast_params(unet, torch.bfloat16 if settings.precision == "full-bf16" else torch.float32)
+    """Inference dtypes (full-bf16 -> bf16 weights; amp-bf16/fp32 -> fp32 weights; a GGUF file's quantised
+    tensors kept quantised) and attention."""
+    dtype = torch.bfloat16 if settings.precision == "full-bf16" else torch.float32
+    cast_params(unet, dtype)
     set_attention(unet, settings, xformers_fn)
     unet.requires_grad_(False)
+    if settings.quantised:
+        keep_quantised(unet, settings.quantised, dtype)
     unet.eval()
+
+
+class Dequantised(nn.Module):
+    """Parametrization of a weight kept quantised, as ComfyUI-GGUF runs a GGUF file: stored as its file bytes
+    (uint8), a ``dtype`` copy made at each use and dropped after it. A memory model: no value is decoded."""
+
+    def __init__(self, shape, dtype, nbytes):
+        super().__init__()
+        self.shape, self.dtype, self.nbytes = tuple(shape), dtype, nbytes
+
+    def forward(self, stored):
+        return stored.new_empty(self.shape, dtype=self.dtype)
+
+    def right_inverse(self, weight):  # a sequence: parametrize then allows another dtype
+        return (weight.new_empty(self.nbytes, dtype=torch.uint8),)
+
+
+def parameter_count(module) -> int:
+    """Parameters of ``module``, a :class:`Dequantised` weight counted by its shape (not its stored bytes)."""
+    return (sum(p.numel() for p in module.parameters() if p.dtype != torch.uint8)
+            + sum(math.prod(d.shape) for d in module.modules() if isinstance(d, Dequantised)))
+
+
+def keep_quantised(unet, quantised, dtype):
+    """Store the weights ``quantised`` names (canonical key -> [GGUF type, bytes]) as :class:`Dequantised`."""
+    from torch.nn.utils import parametrize
+
+    from .. import layout
+    canonical = layout.to_canonical(unet.state_dict(keep_vars=True))[0]
+    owner = {id(p): (m, n) for m in unet.modules() for n, p in m._parameters.items() if p is not None}
+    for key, (qtype, nbytes) in quantised.items():
+        if key not in canonical:
+            raise ValueError(f"{key} ({qtype} in the checkpoint) is not a weight of the UNet its config builds")
+        module, name = owner[id(canonical[key])]
+        parametrize.register_parametrization(module, name, Dequantised(canonical[key].shape, dtype, nbytes),
+                                             unsafe=True)

@@ -1,12 +1,13 @@
-"""Training/sampling settings shared by the estimator and the GPU study (torch-free).
+"""Training/sampling settings shared by the estimator and the GPU study (torch-free at import; reading a ``--ckpt``
+file imports sdslim's file readers).
 
 A ``Settings`` is one curve: everything but the batch size. ``MATRIX`` is the seed study's
 one-change-at-a-time matrix (SD1.5, 768 px, AMP bf16, AdamW, text encoder frozen, no VAE).
 """
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 from .. import layout
-from ..io.files import HeaderError, read_raw_header
 
 PRECISIONS = ("fp32", "amp-bf16", "full-bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-fused")
@@ -44,6 +45,8 @@ class Settings:
     slim_ratio: float = 0.0
     ckpt: str = ""
     unet_config: dict = field(default=None, hash=False)  # overrides arch (tests, --ckpt)
+    slim_ranks: dict = field(default=None, hash=False)  # site -> rank: the slim UNet of a slim --ckpt
+    quantised: dict = field(default=None, hash=False)  # canonical key -> [GGUF type, bytes] of a GGUF --ckpt
     model_factory: str = ""  # "module:function" returning a UNet-like module (sampling of other models)
 
     def __post_init__(self):
@@ -58,6 +61,9 @@ class Settings:
             raise ValueError(f"resolution {self.resolution} is not a multiple of 8")
         if not 0.0 <= self.slim_ratio < 1.0:
             raise ValueError("--slim-ratio must be in [0, 1)")
+        if self.slim_ratio and self.slim_ranks:
+            raise ValueError(f"--slim-ratio: {self.ckpt or 'the checkpoint'} is a slim checkpoint already "
+                             "(its own ranks are estimated)")
 
     @property
     def latent_size(self) -> int:
@@ -74,7 +80,10 @@ class Settings:
     def label(self) -> str:
         """Short human label, e.g. 'sd15 768px amp-bf16 adamw LoRA r16' (sampling: no optimizer; weight dtype)."""
         precision = (SAMPLING_PRECISION_LABELS[self.precision] if self.sampling else self.precision)
-        parts = [f"{self.arch} (ckpt)" if self.ckpt else self.arch, f"{self.resolution}px", precision]
+        source = "slim ckpt" if self.slim_ranks else "ckpt"
+        parts = [f"{self.arch} ({source})" if self.ckpt else self.arch, f"{self.resolution}px", precision]
+        if self.quantised and self.sampling:
+            parts.append(f"GGUF {'/'.join(sorted({t for t, _ in self.quantised.values()}))} kept quantised")
         if not self.sampling:
             parts.append(self.optimizer)
         if self.grad_ckpt:
@@ -148,20 +157,32 @@ def parse_batch_sizes(text: str) -> tuple:
     return tuple(sizes)
 
 
-def read_safetensors_shapes(path: str) -> dict:
-    """{key: shape} from a .safetensors header, without loading any tensor (and without torch)."""
-    try:
-        header = read_raw_header(path)[0]
-    except HeaderError as err:
-        raise ValueError(f"{path} is not a .safetensors file ({err})") from None
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
 def settings_from_ckpt(path: str, **overrides) -> Settings:
-    """Settings whose UNet has the shapes of the checkpoint at ``path`` (read via ``sdslim_core.layout``)."""
-    cfg = layout.config_from_state_dict(layout.to_canonical(read_safetensors_shapes(path))[0])
+    """Settings whose UNet is the one the model file at ``path`` holds, read from its header: an original
+    ``.safetensors`` (shapes) or diffusers folder, a slim ``.safetensors`` or ``.gguf`` (its full-size config and
+    ranks: the slim UNet), a plain ``.gguf`` (shapes); a GGUF file's quantised tensors in ``quantised``.
+    FileFormatError (naming the file) when it is none of these."""
+    from ..io import slim_checkpoint
+    file = Path(path)
+    ranks = quantised = None
+    if file.suffix.lower() == ".gguf":
+        from ..io import gguf
+        f, keys, cfg, meta = gguf.read_header(file)
+        if f.fields.get(slim_checkpoint.SLIM_KEY) == "1":
+            ranks = meta.get("sdslim.ranks")
+        quantised = {k: [f.types[n], f.nbytes(n)] for k, n in keys.items() if f.types[n] not in gguf.FLOAT_TYPES}
+    elif slim_checkpoint.is_slim_checkpoint(file):
+        cfg, meta = slim_checkpoint.read_slim(file)[4:]
+        ranks = meta.get("sdslim.ranks")
+    else:
+        from ..modules.unet import open_checkpoint
+        cfg = open_checkpoint(file).config
+    if ranks is not None and not (isinstance(ranks, dict) and ranks):
+        from ..io.tensors import FileFormatError
+        raise FileFormatError(f"{path}: a slim checkpoint without readable sdslim.ranks metadata")
     arch = cfg.family if cfg.family in ARCHS else overrides.get("arch", "sd15")
-    return Settings(**{**overrides, "arch": arch, "ckpt": path, "unet_config": dict(layout.diffusers_config(cfg))})
+    return Settings(**{**overrides, "arch": arch, "ckpt": str(path), "unet_config": dict(layout.diffusers_config(cfg)),
+                       "slim_ranks": ranks, "quantised": quantised or None})
 
 
 def with_overrides(entries, arch=None, resolution=None):

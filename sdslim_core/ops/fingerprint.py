@@ -64,6 +64,15 @@ def sketches(sites: Iterable[tuple[str, str]], get: Callable[[str], torch.Tensor
     return {"version": VERSION, "shape": [SKETCH, PROBES], "tensors": out}
 
 
+def exact_distance(base: Mapping, other: Mapping, keys: Iterable[str] | None = None) -> float:
+    """The quantity a fingerprint estimates, computed exactly from both models: ‖other − base‖_F / ‖base‖_F pooled
+    over ``keys`` (default: every key of ``base``), in float64."""
+    keys = list(base) if keys is None else list(keys)
+    num = sum(float((other[k].double() - base[k].double()).square().sum()) for k in keys)
+    den = sum(float(base[k].double().square().sum()) for k in keys)
+    return math.sqrt(num / den) if den else 0.0
+
+
 class FingerprintError(ValueError):
     """A base fingerprint that this sdslim cannot read (the message says why)."""
 

@@ -11,8 +11,9 @@ adapters on the derivative itself. Both are folded into the derivative and compa
 same-seed images with the teacher's LoRA and ControlNet: ``bench/fidelity.py``'s probe): image PSNR, LoRA-effect
 cosine, ControlNet-effect cosine. Distances: the exact relative weight change of the whole UNet and of the weights
 the folds read (float64), and the base adapters' fingerprint estimate (``ops/fingerprint.py``, overall and the
-largest site). ``--refit`` derivatives also get ``--from`` refit rows (``train.recipes.REFIT`` started from the
-base adapters) and a full run on the derivative (the demo's budget), with their training CPU time.
+largest site). ``--refit`` derivatives also get a ``--from`` refit (``sdslim train --ckpt DERIVATIVE --from BASE``:
+``train.recipes.settings("full", start_from=True)``) and a full run on the derivative (the demo's budget), with
+their training CPU time.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from fidelity import Teacher, sd15_half, uniform_ratio_for  # noqa: E402
 from sdslim_core.apps import fidelity  # noqa: E402
 from sdslim_core.io.adapters import AdapterSet  # noqa: E402
 from sdslim_core.ops import fingerprint  # noqa: E402
+from sdslim_core.train import recipes  # noqa: E402
 
 KEEP = ("image_psnr_db", "image_ssim", "lora_effect_cosine", "controlnet_effect_cosine", "cpu_s")
 
@@ -95,9 +97,8 @@ def main():
                 own, cpu = t.train(ratio, "params", "init", work / d / "init")
                 r["own"] = scores(t, f"{d}: own adapters", own, cpu)
                 if d in refit:
-                    from sdslim_core.train.recipes import REFIT
                     aset, cpu = t.train(ratio, "params", "init", work / d / "refit", start_from=str(base_file),
-                                        **REFIT)
+                                        **recipes.settings("full", start_from=True))
                     r["refit"] = scores(t, f"{d}: refit --from", aset, cpu)
                     aset, cpu = t.train(ratio, "params", "demo", work / d / "full")
                     r["full"] = scores(t, f"{d}: own adapters, full", aset, cpu)
@@ -130,12 +131,14 @@ def markdown(results: dict) -> str:
                 f"{own['image_psnr_db'] - tr['image_psnr_db']:+.1f} |")
         refits = [r for r in res["rows"].values() if "refit" in r]
         if refits:
-            parts.append("\n| derivative | fingerprint | base adapters dB | refit --from dB / LoRA / CN | refit "
-                         "CPU-min | full run dB / LoRA / CN | full CPU-min |\n|---|---|---|---|---|---|---|")
+            parts.append("\n| derivative | fingerprint | base adapters dB | own training-free dB (CPU-min) | "
+                         "refit --from dB / LoRA / CN | refit CPU-min | full run dB / LoRA / CN | full CPU-min |\n"
+                         "|---|---|---|---|---|---|---|---|")
             for r in refits:
-                rf, full = r["refit"], r["full"]
+                rf, full, own = r["refit"], r["full"], r["own"]
                 parts.append(
                     f"| {r['derivative']} | {r['fingerprint']:.1%} | {f(r['transfer']['image_psnr_db'])} | "
+                    f"{f(own['image_psnr_db'])} ({own['cpu_s'] / 60:.1f}) | "
                     f"{f(rf['image_psnr_db'])} / {f(rf['lora_effect_cosine'], '.3f')} / "
                     f"{f(rf['controlnet_effect_cosine'], '.3f')} | {rf['cpu_s'] / 60:.1f} | "
                     f"{f(full['image_psnr_db'])} / {f(full['lora_effect_cosine'], '.3f')} / "

@@ -24,9 +24,9 @@ from .fold import site_keys
 
 VERSION = 1
 SKETCH, PROBES = 32, 8
-# overall distance past which `sdslim slim` and the hosts warn: below it, adapters trained on a derivative kept no more
-# than the base's (within the ±1.5 dB spread of two trainings); the first derivative past 2 dB was at 7.9 %
-# (bench/RESULTS.md, Derivatives)
+# overall distance past which `sdslim slim` and the hosts warn: on every derivative measured nearer than this, adapters
+# trained on it kept no more than the base's (within 1 dB image PSNR); the nearest one where they kept over 2 dB more
+# was 7.9 % away (bench/RESULTS.md, Derivatives)
 WARN_DISTANCE = 0.07
 
 

@@ -73,11 +73,15 @@ def uniform_ratio_for(shapes: dict, target: float) -> float:
 class Teacher:
     """One shipped teacher with everything the ladder compares on."""
 
-    def __init__(self, name: str, n_images: int = 12, seed: int = 0, reuse: bool = False, allocation=None):
+    def __init__(self, name: str, n_images: int = 12, seed: int = 0, reuse: bool = False, allocation=None,
+                 model: Path | None = None):
+        """``model``: another checkpoint of the same layout (a derivative of teacher ``name``), run with ``name``'s
+        LoRA and ControlNet."""
         self.name, self.reuse = name, reuse
         self.allocation = dict(allocation or {})         # TrainConfig's allocation / alloc_inputs for every training
         self.assets = assets = tiny.TEACHERS[name]
-        self.pipe = tiny.load_tiny_pipeline(assets.model)
+        self.model = Path(model or assets.model)
+        self.pipe = tiny.load_tiny_pipeline(self.model)
         self.cfg = self.pipe.checkpoint.config
         self.weights = {k: v.float() for k, v in self.pipe.checkpoint.weights.items()}
         self.shapes = {k: tuple(v.shape) for k, v in self.weights.items()}
@@ -110,19 +114,19 @@ class Teacher:
         """The row of a written ``.gguf`` (the teacher when ``aset`` is None, else its slim form), read back."""
         from sdslim_core.apps.slim import slim_checkpoint
         from sdslim_core.io import gguf
-        slim_checkpoint(self.assets.model, aset, path, quant=qtype, embed_adapters=False)
+        slim_checkpoint(self.model, aset, path, quant=qtype, embed_adapters=False)
         stored, _, _ = gguf.read_unet(path)
         model, model_lora = self.candidates.from_file(stored, aset)
         r = self.row(label, model, model_lora, stored, None, cpu_s)
         r.update(bytes=path.stat().st_size, file=str(path), gguf_type=qtype)
         return r
 
-    def train(self, ratio: float, mode: str, budget: str, work: Path):
+    def train(self, ratio: float, mode: str, budget: str, work: Path, **overrides):
         """``mode``: ``uniform`` ranks, or ranks allocated at the ``params`` or the forward ``flops`` of uniform
-        ``ratio``."""
+        ``ratio``; ``overrides``: further :class:`TrainConfig` fields (they win over the budget's)."""
         tc = TrainConfig(ratio=ratio, uniform=mode == "uniform", budget_by="flops" if mode == "flops" else "params",
                          guidance=4.0, latent_size=self.pipe.latent_size, seed=0, work_dir=str(work),
-                         **BUDGETS[budget], **self.allocation)
+                         **{**BUDGETS[budget], **self.allocation, **overrides})
         out, record = work / "adapters.safetensors", work / "cpu_s.json"
         if self.reuse and out.exists() and record.exists():
             return adapters.AdapterSet.load(out), json.loads(record.read_text())["cpu_s"]

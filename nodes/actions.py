@@ -97,10 +97,11 @@ def vram_report(model=None, model_b=None, trigger=None, width=1024, height=1024,
 
 
 def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-          latent_size=0, negative=None) -> Result:
+          latent_size=0, negative=None, recipe="full", start_from=None) -> Result:
     from . import training
     text = training.run(model, filename=filename, ratio=ratio, steps=steps, seed=seed, positive=positive,
-                        negative=negative, clip=clip, prompts=prompts, budget=budget, latent_size=latent_size)
+                        negative=negative, clip=clip, prompts=prompts, budget=budget, latent_size=latent_size,
+                        recipe=recipe, start_from=start_from)
     return Result((text,), text)
 
 

@@ -59,6 +59,10 @@ class NodeSpec:
         return getattr(actions, self.action)(**inputs)
 
 
+RECIPES = ("full", "quick", "data-free")     # sdslim_core.train.recipes.RECIPES, the default first
+NO_START = "(none)"
+
+
 def _adapter_files() -> list:
     import folder_paths
 
@@ -162,7 +166,14 @@ TRAIN = NodeSpec(
         tooltip="instead of ratio: UNet parameters ('600M') or weight bytes ('1.2GB') to keep"),
      In("latent_size", "INT", 0, 0, 512, 1, optional=True,
         tooltip="calibration latent size (image size / 8); 0 = the model's native size: 64 for SD1.5, 96 for "
-                "SD2, 128 for SDXL, 8 for the tiny demo model")),
+                "SD2, 128 for SDXL, 8 for the tiny demo model"),
+     In("recipe", "COMBO", options=lambda: list(RECIPES), optional=True,
+        tooltip="full: calibration, rank allocation, both training stages ('steps' each); quick: calibration, "
+                "allocation and initialisation only (minutes, 'steps' unused); data-free: from the weights alone "
+                "(seconds, uniform ranks at 'ratio', the lowest fidelity; no conditioning needed)"),
+     In("start_from", "COMBO", options=lambda: [NO_START] + _adapter_files(), optional=True,
+        tooltip="start from adapters made for the model this MODEL derives from (a fine-tune, a merge): their "
+                "sites and ranks, refit on this MODEL with a short stage 2 ('steps')")),
     (Out("STRING", "report"),),
     "train", output_node=True)
 

@@ -13,7 +13,7 @@ import folder_paths
 from sdslim_core import layout
 from sdslim_core.hosts import comfyui_conditioning
 
-from . import folding, paths
+from . import folding, paths, specs
 
 
 def calibration_conditioning(positive=None, negative=None, clip=None, prompts: str = ""):
@@ -54,18 +54,30 @@ def native_latent_size(model) -> int | None:
 
 
 def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-        latent_size=0, negative=None) -> str:
+        latent_size=0, negative=None, recipe="full", start_from=None) -> str:
     """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report.
 
-    Calibration runs at ``latent_size`` (0: the model's native size). The work folder (calibration data,
-    checkpoints) lives in ``sdslim_work/`` beside ``models/sdslim`` and is removed once the file is written;
-    an interrupted run keeps it and resumes from it."""
+    ``recipe``: full, quick or data-free (``sdslim_core.train.recipes``); ``start_from``: an adapter file of
+    models/sdslim made for the model this one derives from (refit). Calibration runs at ``latent_size`` (0: the
+    model's native size). The work folder (calibration data, checkpoints) lives in ``sdslim_work/`` beside
+    ``models/sdslim`` and is removed once the file is written; an interrupted run keeps it and resumes from it."""
     try:
-        from sdslim_core.train import train_adapters
+        from sdslim_core.train import TrainConfig, recipes, train_adapters
     except ImportError as err:
         raise RuntimeError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
                            f"(pip install -r requirements.txt): {err}") from None
     out = paths.output_path(folder_paths, filename)
+    recipe = recipe or "full"
+    start = paths.resolve(folder_paths, start_from) if start_from and start_from != specs.NO_START else None
+    if recipe == "data-free":
+        if start is not None or (budget and budget.strip()):
+            raise ValueError("sdslim: the data-free recipe takes only 'ratio' (no budget, no start_from): it "
+                             "measures nothing")
+        import time
+        weights, cfg = teacher(model)
+        t0 = time.perf_counter()
+        aset = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio), out)
+        return recipes.data_free_text(aset, out, time.perf_counter() - t0)
     calib, notes = comfyui_conditioning.calibration(*calibration_conditioning(positive, negative, clip, prompts))
     bar = comfy.utils.ProgressBar(1)
 
@@ -76,11 +88,12 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
 
     weights, cfg = teacher(model)
     options: dict = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
+    options.update(recipes.host_overrides(recipe, steps, start))
     size = int(latent_size or 0) or native_latent_size(model)
     if size:
         options["latent_size"] = size
     work = paths.work_dir(folder_paths, out)
-    result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", steps=steps,
-                            seed=seed, device=str(model.load_device), work_dir=work, **options)
+    result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", seed=seed,
+                            device=str(model.load_device), work_dir=work, **options)
     shutil.rmtree(work, ignore_errors=True)
     return "\n".join([f"adapters written to {out}", *notes, "", str(result.report)])

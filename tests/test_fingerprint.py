@@ -157,6 +157,6 @@ def test_a1111s_live_fold_reports_the_distance(fingerprinted):
     assert report.distance.overall == pytest.approx(cli_meter.result().overall, rel=1e-6)
     from sdslim_core.hosts.a1111 import params
     line, warning = params.distance_text(report.distance)
-    assert "from the adapters' base" in line and "past 10%" in warning
+    assert "from the adapters' base" in line and f"past {fingerprint.WARN_DISTANCE:.0%}" in warning
     assert params.distance_text(None) == (None, None)
     live.close()

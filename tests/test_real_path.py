@@ -57,13 +57,13 @@ def test_plan_only_writes_nothing_and_keep_work_keeps_the_folder(tmp_path, vocab
     ckpt = write_checkpoint(tmp_path / "sd15.safetensors", "sd15")
     out, _ = _run(capsys, "train", "--ckpt", ckpt, "--out", tmp_path / "a.safetensors", "--prompt", "a cat",
                   "--tokenizer", vocab.folder, *FAST, "--plan-only", "--json")
-    plan = json.loads(out)
+    plan = json.loads(out)["recipes"]["full"]
     assert plan["eta_s"] > 0 and plan["work_bytes"] > 0 and plan["phases"][0]["forwards"] == 2 * 2 * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sd15.safetensors"]
     assert all(m["order_s"] > 0 for kind in plan["warmup"]["site"].values() for m in kind)
     out, _ = _run(capsys, "train", "--ckpt", ckpt, "--out", tmp_path / "a.safetensors", "--prompt", "a cat",
                   "--tokenizer", vocab.folder, *FAST, "--init-methods", "act_select", "--plan-only", "--json")
-    cheap = json.loads(out)                    # no OBS init method: no OBS orders measured, none counted
+    cheap = json.loads(out)["recipes"]["full"]          # no OBS init method: no OBS orders measured, none counted
     assert all(m["order_s"] == 0 for kind in cheap["warmup"]["site"].values() for m in kind)
     _run(capsys, "train", "--ckpt", ckpt, "--out", tmp_path / "a.safetensors", "--prompt", "a cat", "--tokenizer",
          vocab.folder, *FAST, "--uniform", "--keep-work", "--no-plan")

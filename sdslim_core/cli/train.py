@@ -1,6 +1,7 @@
 """``sdslim train``: parser and handler (heavy imports inside the handler).
 
-    sdslim train --ckpt PATH --out ADAPTERS [--ratio 0.5 | --ff-rank N --res-ratio R | --budget X]
+    sdslim train --ckpt PATH --out ADAPTERS [--recipe data-free|quick|full] [--from BASE_ADAPTERS]
+                 [--ratio 0.5 | --ff-rank N --res-ratio R | --budget X]
                  [--steps N] [--stage1-steps N --stage2-steps N] [--prompts FILE | --prompt TEXT ...]
                  [--negative TEXT] [--clip-skip N] [--tokenizer DIR] [--embeddings FILE] [--latents DIR] [--images DIR] [--device D] [--resume] [--work-dir DIR]
                  [--json]
@@ -10,6 +11,7 @@ sites over the processes, stage 2 is data-parallel).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -23,6 +25,14 @@ def register(subparsers):
                                             "itself, block-local stage, Theseus stage)")
     p.add_argument("--ckpt", required=True, help="teacher checkpoint (.safetensors single file or diffusers folder)")
     p.add_argument("--out", required=True, help="adapter file to write (.safetensors)")
+    p.add_argument("--recipe", choices=("data-free", "quick", "full"), default="full",   # train/recipes.py RECIPES
+                   help="data-free: from the weights alone, seconds, uniform ranks, the least faithful; quick: light "
+                        "calibration, rank allocation and initialisation, no training stages; full (default): "
+                        "everything (--plan-only prices all three)")
+    p.add_argument("--from", dest="start_from", metavar="BASE_ADAPTERS",
+                   help="refit for a derivative (--ckpt) of the model these adapters were made for: their sites "
+                        "and ranks, each site started from them or re-initialised from the derivative where that "
+                        "measures better, then a short stage 2")
     r = p.add_argument_group("ranks (default: --ratio 0.5)")
     r.add_argument("--ratio", type=float, help="slim to the parameter count of uniform width fraction R (e.g. 0.5), "
                                                "spent per site where measured error falls fastest")
@@ -156,6 +166,7 @@ def build_calibration(args, ckpt, pipe):
 
 
 def config_from_args(args, pipe=None, log=None):
+    from ..train import recipes
     from ..train.config import TrainConfig
     kw = {}
     for name, attr in (("ratio", "ratio"), ("ff_rank", "ff_rank"), ("ff_ratio", "ff_ratio"),
@@ -184,6 +195,15 @@ def config_from_args(args, pipe=None, log=None):
         kw["stage2_groups"] = "auto" if args.stage2_groups == "auto" else int(args.stage2_groups)
     if getattr(args, "grad_ckpt", "auto") != "auto":
         kw["grad_ckpt"] = args.grad_ckpt == "on"
+    start_from = getattr(args, "start_from", None)
+    if start_from:
+        given = [f"--{k.replace('_', '-')}" for k in ("ratio", "ff_rank", "ff_ratio", "res_ratio", "budget")
+                 if k in kw] + (["--uniform"] if kw.get("uniform") else [])
+        if given:
+            raise ValueError(f"--from keeps the ranks of {start_from}: give it without {', '.join(given)}")
+        kw["start_from"] = start_from
+    for k, v in recipes.settings(getattr(args, "recipe", recipes.DEFAULT_RECIPE), bool(start_from)).items():
+        kw.setdefault(k, v)                          # the recipe's settings; the user's own values win
     return TrainConfig(device=args.device, seed=args.seed, work_dir=args.work_dir, optimizer=args.optimizer,
                        progress_bar=not args.no_progress, vram_estimate=not args.no_vram_estimate,
                        plan=not args.no_plan, log=log, **kw)
@@ -196,19 +216,30 @@ def cmd_train(args) -> int:
     from ..train.run import train_adapters
 
     from ..train.progress import write as log
+    from ..train.plan import PlanMemoryError
     ckpt = open_checkpoint(args.ckpt)
     pipe = _tiny_pipeline(ckpt)
     tc = config_from_args(args, pipe, log)
-    calib = build_calibration(args, ckpt, pipe)
     if args.plan_only:
-        from ..train.run import plan_run
-        plan = plan_run(ckpt, ckpt.config, calib, tc, args.out)
-        print(json.dumps(plan.to_dict()) if args.json else plan.text(), file=sys.stdout if args.json else sys.stderr)
+        calib = build_calibration(args, ckpt, pipe)
+        try:
+            ladder = _plan_ladder(args, ckpt, calib, pipe, log)
+        except PlanMemoryError as err:
+            print(f"sdslim train: error: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(ladder.to_dict()) if args.json else ladder.text(),
+              file=sys.stdout if args.json else sys.stderr)
         return 0
+    if args.recipe == "data-free":
+        return _data_free(args, ckpt, tc)
+    calib = build_calibration(args, ckpt, pipe)
     work = tc.work_dir or f"{args.out}.work"
     try:
         result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
     except CheckpointError as err:
+        print(f"sdslim train: error: {err}", file=sys.stderr)
+        return 2
+    except PlanMemoryError as err:
         print(f"sdslim train: error: {err}", file=sys.stderr)
         return 2
     except DiskFullError as err:
@@ -230,4 +261,34 @@ def cmd_train(args) -> int:
         print(json.dumps(result.report.to_dict()))
     else:
         print(result.report.text())
+    return 0
+
+
+def _plan_ladder(args, ckpt, calib, pipe, log):
+    """The recipes side by side (``--from``: the refit next to a full run of the derivative), one warm-up."""
+    from ..train.recipes import plan_ladder
+    from ..train.session import Session
+    from ..train.teacher import teacher_weights
+    variants = {}
+    if args.start_from:
+        variants["refit (--from)"] = config_from_args(args, pipe, log)
+    for name in ("quick", "full") if not args.start_from else ("full",):
+        variants[name] = config_from_args(argparse.Namespace(**dict(vars(args), recipe=name, start_from=None)),
+                                          pipe, log)
+    weights, cfg = teacher_weights(ckpt, ckpt.config)
+    heaviest = variants["refit (--from)" if args.start_from else "full"]
+    session = Session(weights, cfg, heaviest, calib, args.out, None, False)
+    data_free_cfg = None if args.start_from else config_from_args(
+        argparse.Namespace(**dict(vars(args), recipe="data-free")), pipe, log)
+    return plan_ladder(session, variants, data_free_cfg)
+
+
+def _data_free(args, ckpt, tc) -> int:
+    """``--recipe data-free``: the adapter file from the weights alone."""
+    import time
+    from ..train.recipes import data_free, data_free_text
+    t0 = time.perf_counter()
+    aset = data_free(ckpt, ckpt.config, tc, args.out)
+    info = {"recipe": "data-free", "out": str(args.out), "sites": len(aset.sites), "seconds": time.perf_counter() - t0}
+    print(json.dumps(info) if args.json else "sdslim train: " + data_free_text(aset, args.out, info["seconds"]))
     return 0

@@ -24,7 +24,10 @@ from .fold import site_keys
 
 VERSION = 1
 SKETCH, PROBES = 32, 8
-WARN_DISTANCE = 0.10      # overall distance past which `sdslim slim` and the hosts warn (bench/RESULTS.md, Derivatives)
+# overall distance past which `sdslim slim` and the hosts warn: on every derivative measured nearer than this, adapters
+# trained on it kept no more than the base's (within 1 dB image PSNR); the nearest one where they kept over 2 dB more
+# was 7.9 % away (bench/RESULTS.md, Derivatives)
+WARN_DISTANCE = 0.07
 
 
 def _generator(key: str, shape: tuple) -> torch.Generator:
@@ -62,6 +65,15 @@ def sketches(sites: Iterable[tuple[str, str]], get: Callable[[str], torch.Tensor
             if t is not None:
                 out[key] = encode(sketch(key, t))
     return {"version": VERSION, "shape": [SKETCH, PROBES], "tensors": out}
+
+
+def exact_distance(base: Mapping, other: Mapping, keys: Iterable[str] | None = None) -> float:
+    """The quantity a fingerprint estimates, computed exactly from both models: ‖other − base‖_F / ‖base‖_F pooled
+    over ``keys`` (default: every key of ``base``), in float64."""
+    keys = list(base) if keys is None else list(keys)
+    num = sum(float((other[k].double() - base[k].double()).square().sum()) for k in keys)
+    den = sum(float(base[k].double().square().sum()) for k in keys)
+    return math.sqrt(num / den) if den else 0.0
 
 
 class FingerprintError(ValueError):

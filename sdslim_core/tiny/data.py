@@ -3,6 +3,10 @@
 Every sample is a pure function of ``(seed, index)``; images are RGB in [0, 1], ``SIZE``×``SIZE``, with
 anti-aliased edges (4× supersampling); the mask is the hard shape coverage at pixel resolution. A 3-pixel border
 is always background (shapes never reach it), which the tests use to read the background colour back.
+
+``SHIFTS`` are shifted styles of the same captions (a fine-tune's data, for derivative models: ``tools/
+make_derivatives.py``): ``pastel`` renders every colour 45 % of the way to white, ``stripes`` darkens every other
+4-pixel diagonal band of the background by 40 %. Unshifted batches are unchanged by their existence.
 """
 from dataclasses import dataclass
 
@@ -18,6 +22,7 @@ COLOURS = {
     "black": (0.05, 0.05, 0.05),
 }
 SHAPES = ("circle", "square", "triangle", "cross")
+SHIFTS = ("pastel", "stripes")
 BORDER = 3
 _SUPERSAMPLE = 4
 
@@ -66,8 +71,9 @@ def shape_masks(shape: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, r: torc
     return torch.nn.functional.avg_pool2d(cover, supersample)
 
 
-def make_batch(seed: int, index: int, batch_size: int) -> Batch:
-    """Batch number ``index`` of the stream seeded by ``seed`` (deterministic, CPU)."""
+def make_batch(seed: int, index: int, batch_size: int, shift: str | None = None) -> Batch:
+    """Batch number ``index`` of the stream seeded by ``seed`` (deterministic, CPU), in the style ``shift`` (one of
+    ``SHIFTS``; None: the teachers' own data)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     n_col = len(COLOURS)
     shape = torch.randint(len(SHAPES), (batch_size,), generator=g)
@@ -77,15 +83,24 @@ def make_batch(seed: int, index: int, batch_size: int) -> Batch:
     lo, hi = r + BORDER, SIZE - r - BORDER
     cx = lo + (hi - lo) * torch.rand(batch_size, generator=g)
     cy = lo + (hi - lo) * torch.rand(batch_size, generator=g)
-    return render(shape, fg, bg, cx, cy, r)
+    return render(shape, fg, bg, cx, cy, r, shift)
 
 
 def render(shape: torch.Tensor, fg: torch.Tensor, bg: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor,
-           r: torch.Tensor) -> Batch:
-    """Render given labels and geometry (all 1-D tensors of equal length)."""
+           r: torch.Tensor, shift: str | None = None) -> Batch:
+    """Render given labels and geometry (all 1-D tensors of equal length) in the style ``shift``."""
+    if shift not in (None, *SHIFTS):
+        raise ValueError(f"unknown data shift {shift!r}: expected one of {SHIFTS}")
     cover = shape_masks(shape, cx, cy, r)
     pal = palette()
-    images = cover * pal[fg][:, :, None, None] + (1 - cover) * pal[bg][:, :, None, None]
+    if shift == "pastel":
+        pal = 0.55 * pal + 0.45
+    back = pal[bg][:, :, None, None]
+    if shift == "stripes":
+        i = torch.arange(SIZE)
+        band = ((i[:, None] + i[None, :]) // 4 % 2).float()
+        back = back * (1 - 0.4 * band)
+    images = cover * pal[fg][:, :, None, None] + (1 - cover) * back
     names = list(COLOURS)
     captions = [caption(SHAPES[s], names[f], names[b]) for s, f, b in zip(shape.tolist(), fg.tolist(), bg.tolist())]
     return Batch(images, (cover > 0.5).float(), captions, shape, fg, bg, cx, cy, r)

@@ -13,7 +13,7 @@ _RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform",
                "lora_prob", "lora_scale", "stage2_groups", "grad_clip", "n_trajectories", "sample_steps", "guidance",
                "sampler", "latent_size", "n_noised", "ff_inputs", "tokens_per_sample", "ff_tokens", "res_maps",
                "eval_fraction", "init_methods", "rank_grid", "seed", "calib_dtype", "teacher_dtype", "optimizer",
-               "amp", "grad_ckpt")
+               "amp", "grad_ckpt", "start_from")
 
 
 @dataclasses.dataclass
@@ -42,6 +42,8 @@ class TrainConfig:
     alloc_anchors: int = 2                 # e2e-measured ranks per site under "anchored" (1 or 2)
     alloc_inputs: int = 16                 # held-out UNet inputs of each e2e measurement
     rank_grid: tuple = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 5 / 16, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8)
+    start_from: str | None = None          # an adapter file of the base model (``--from``): its sites and ranks are
+                                           # kept (no allocation) and its tensors are an initialisation candidate
     # ---- calibration ----
     n_trajectories: int = 16               # teacher sampling runs (noise seeds × conditionings)
     sample_steps: int = 20                 # sampler steps per trajectory (each one UNet input, ×2 with CFG)
@@ -141,9 +143,16 @@ class TrainConfig:
             raise ValueError(f"stage2_groups must be 'auto' or a positive integer, got {self.stage2_groups!r}")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be ≥ 1")
+        if self.start_from is not None:
+            self.start_from = str(self.start_from)
+            if self.budget is not None or self.uniform:
+                raise ValueError("--from keeps the base adapters' ranks: give it without --budget/--uniform")
 
     def allocates(self) -> bool:
-        """True when ranks come from measured error curves (a budget, or ``--ratio`` without ``--uniform``)."""
+        """True when ranks come from measured error curves (a budget, or ``--ratio`` without ``--uniform``; never
+        with ``start_from``, whose file gives the ranks)."""
+        if self.start_from is not None:
+            return False
         if self.budget is not None:
             return True
         explicit = any(v is not None for v in (self.ff_ratio, self.ff_rank, self.res_ratio))

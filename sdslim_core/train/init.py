@@ -19,6 +19,8 @@ Methods (rank r, width m/c; each one gives the site's adapter tensors):
 - ``weight_svd``: plain SVD of the following weight (W_o, or conv2 as c × (c_out·9)): the weak baseline.
 - ``select``: :meth:`AdapterSet.init_select` (data-free, largest weight norms).
 - ``random``: Gaussian matrices (only to show what initialisation buys; never picked unless it is best).
+- ``base`` (``--from`` only): the base model's trained adapter of the site, measured on the derivative's data
+  next to the methods above, so a site the derivative changed is re-initialised from its own activations.
 
 Every method's relative error is measured on the held-out split and the best is kept per site.
 """
@@ -353,8 +355,10 @@ class SiteInit:
     """Candidate initialisations of one site at any rank, scored on the eval split."""
 
     def __init__(self, site: layout.Site, site_mod: nn.Module, naming: str, data: SiteData, weights: Mapping,
-                 family: str, device, dtype, amp, seed: int = 0, orders: dict | None = None):
+                 family: str, device, dtype, amp, seed: int = 0, orders: dict | None = None,
+                 base: dict | None = None):
         self.site, self.site_mod, self.naming, self.data = site, site_mod, naming, data
+        self.base = base               # the ``base`` method's tensors (``--from``), or None
         self.weights, self.family = weights, family
         self.device, self.dtype, self.amp, self.seed = device, dtype, amp, seed
         self._stats = None
@@ -378,7 +382,9 @@ class SiteInit:
         return self._stats
 
     def tensors(self, method: str, r: int) -> dict:
-        if method == "select":
+        if method == "base":
+            t = self.base
+        elif method == "select":
             t = select_tensors(self.weights, self.site.name, r, self.family)
         elif method == "random":
             t = random_tensors(self.site.kind, self.site.width, r, self.seed)
@@ -422,7 +428,23 @@ def site_init(session: "Session", store: "ActivationStore", site: str) -> SiteIn
     return SiteInit(session.site_by_name[site], teacher_site, session.naming,
                     session.site_data(store, site, teacher_site), session.weights, session.cfg.family,
                     session.device, session.compute_dtype, session.amp, seed=session.tc.seed,
-                    orders=session.obs_orders.setdefault(site, {}))
+                    orders=session.obs_orders.setdefault(site, {}), base=base_tensors(session, site))
+
+
+def base_tensors(session: "Session", site: str) -> dict | None:
+    """``site``'s adapter in the ``--from`` file when it can start this run there (same norm groups), else None."""
+    base = session.base
+    if base is None or site not in base.sites:
+        return None
+    s = session.site_by_name[site]
+    if s.kind == "res" and base.groups(site) != rank_policy.res_groups(s.width, base.rank(site)):
+        return None
+    return base.sites[site]
+
+
+def init_methods(session: "Session", site: str) -> tuple:
+    """The methods measured at ``site``: ``base`` first when ``--from`` gives one (it wins ties), then the run's."""
+    return (("base",) if base_tensors(session, site) is not None else ()) + tuple(session.tc.init_methods)
 
 
 def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tuple[adapters.AdapterSet, list, dict]:
@@ -442,7 +464,7 @@ def initialise(session: "Session", store: "ActivationStore", ranks: dict) -> tup
             session.progress.advance(n + 1)
             continue
         si = site_init(session, store, site)
-        tensors, chosen, errors = si.best(ranks[site], session.tc.init_methods)
+        tensors, chosen, errors = si.best(ranks[site], init_methods(session, site))
         session.timing["obs_orders_s"] = session.timing.get("obs_orders_s", 0.0) + si.order_seconds
         s = session.site_by_name[site]
         row = {"site": site, "kind": s.kind, "width": s.width, "rank": ranks[site], "errors": errors,

@@ -11,9 +11,15 @@ site of each kind the site-local work the phases repeat per site (reading its da
 initialisation methods, a rank curve's scoring), extrapolated to wider sites by the power law through the two.
 A held-out scoring of a site during a fit costs a third of a step per batch of held-out data. The counts assume
 every site is slimmed; an allocation that leaves sites at full width trains fewer.
+
+On a CPU the warm-up first says what RAM it needs (:mod:`.memory`) next to what is free: when its stage-2 step
+does not fit it measures the step at one input and scales it, or leaves stage 2 unpriced, and it refuses (an
+error saying both numbers) when not even a forward fits. :func:`make_ladder` prices the recipes of
+:mod:`.recipes` side by side from one warm-up.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -28,6 +34,7 @@ from ..layout import rank_policy
 from ..modules import swap
 from .calibration import _store_dtype, unet_call
 from .fit import eval_interval
+from .memory import available_ram, gib, ram_need
 from .ranks import adapter_param_count
 from .sites import build_student, call_site, make_site_adapter
 from .stage2 import largest_group, resolve_groups
@@ -57,26 +64,34 @@ class Plan:
     work_bytes: int
     warmup: dict
 
+    ram_bytes: int | None = None          # the run's RAM peak (CPU runs), from :mod:`.memory`
+
     @property
     def eta_s(self) -> float:
         return sum(p.seconds for p in self.phases)
 
     def to_dict(self) -> dict:
-        return {"phases": [dataclasses.asdict(p) for p in self.phases], "work_bytes": self.work_bytes,
-                "eta_s": self.eta_s, "warmup": dict(self.warmup)}
+        def num(v):
+            return None if isinstance(v, float) and math.isnan(v) else v
+        return {"phases": [{k: num(v) for k, v in dataclasses.asdict(p).items()} for p in self.phases],
+                "work_bytes": self.work_bytes, "eta_s": num(self.eta_s), "ram_bytes": self.ram_bytes,
+                "warmup": dict(self.warmup)}
 
     def text(self) -> str:
         lines = ["plan (UNet forwards / backwards per input, from a warm-up on this device):"]
         for p in self.phases:
             fb = f"{p.forwards:,} fwd" + (f" + {p.backwards:,} bwd" if p.backwards else "") if p.forwards else "local"
-            lines.append(f"  {p.name:<16} {p.units:>7,} {p.unit:<6} {fb:<24} ~{_duration(p.seconds)}")
-        lines.append(f"  work folder ~{format_bytes(self.work_bytes)}; ETA ~{_duration(self.eta_s)} "
+            lines.append(f"  {p.name:<16} {p.units:>7,} {p.unit:<6} {fb:<24} ~{duration(p.seconds)}")
+        ram = f"RAM ~{gib(self.ram_bytes)}; " if self.ram_bytes else ""
+        lines.append(f"  work folder ~{format_bytes(self.work_bytes)}; {ram}ETA ~{duration(self.eta_s)} "
                      f"(warm-up {self.warmup['seconds']:.1f} s; counted with every site slimmed: an allocation that "
                      "leaves sites at full width trains fewer, and the stages are re-estimated once it has)")
         return "\n".join(lines)
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
+    if math.isnan(s):
+        return "? (not measured)"
     if s < 90:
         return f"{s:.0f} s"
     if s < 5400:
@@ -226,10 +241,61 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+class PlanMemoryError(MemoryError):
+    """The warm-up cannot run in this machine's free RAM (the message says how much it needs and has)."""
+
+
+def warm_ranks(session: "Session") -> dict:
+    """The ranks the warm-up measures at: the ``--from`` file's, else every site at uniform ``ratio``."""
+    if session.base is not None:
+        return dict(session.base.ranks())
+    return rank_policy.ranks_for_ratio(session.site_list, session.tc.ratio or 0.5)
+
+
+def fit_in_ram(session: "Session", ranks: dict, stage2_inputs: int) -> int:
+    """The inputs the warm-up's stage-2 step can take in this machine's free RAM (said up front): all of them,
+    one (the step is then scaled), or 0 (stage 2 stays unpriced); raises :class:`PlanMemoryError` when not even a
+    forward fits. Accelerators: all (their memory is the VRAM estimator's)."""
+    if session.device.type != "cpu":
+        return stage2_inputs
+    group = largest_group(session, ranks, resolve_groups(session, ranks))
+    need = ram_need(session, adapter_param_count([session.site_by_name[s] for s in group], ranks))
+    free = available_ram()
+    session.say(f"warm-up: a teacher forward at batch 8, one stage-2 step at {stage2_inputs} input(s), one stage-1 "
+                f"step per site shape and the per-site work on 2 sites of each kind, on random inputs; RAM beyond "
+                f"the loaded teacher ({gib(need.teacher)}): ~{gib(need.warm_up(stage2_inputs))}, "
+                f"{gib(free)} free")
+    if need.warm_up(stage2_inputs) <= free:
+        return stage2_inputs
+    if stage2_inputs > 1 and need.warm_up(1) <= free:
+        session.say(f"warm-up: shrunk to fit the free RAM: the stage-2 step is measured at 1 input "
+                    f"(~{gib(need.warm_up(1))}) and scaled to {stage2_inputs}")
+        return 1
+    if need.forward <= free:
+        session.say(f"warm-up: one stage-2 step needs ~{gib(need.warm_up(1))} of RAM and {gib(free)} is free: "
+                    "stage 2 is left unpriced (it would not train here as it stands: free memory, or train with "
+                    "--stage2-groups N; --recipe quick needs no stage 2)")
+        return 0
+    raise PlanMemoryError(f"the plan's warm-up needs ~{gib(need.forward)} of free RAM for one teacher forward at "
+                          f"batch 8 beyond the loaded teacher ({gib(need.teacher)}), and {gib(free)} is free: "
+                          "close other programs or use a machine with more memory (--no-plan skips the plan; "
+                          "the run itself needs at least as much)")
+
+
 def warm_up(session: "Session", stage2_inputs: int) -> dict:
-    """Measured unit costs on random inputs of the run's shapes (see the module docstring)."""
+    """Measured unit costs on random inputs of the run's shapes (see the module docstring), with a progress line
+    per part on the session's bars."""
     t_start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
+    ranks = warm_ranks(session)
+    measured_inputs = fit_in_ram(session, ranks, stage2_inputs)
+    progress = session.progress
+    progress.start_stage("warm-up", None, unit="part")
+    done = [0]
+
+    def tick(what: str, total: int | None = None):
+        done[0] += 1
+        progress.advance(done[0], total, note=what)
     teacher = session.placement.on_device()
     shapes, hooks = {}, []
     for s in session.site_list:
@@ -251,25 +317,63 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
         for h in hooks:
             h.remove()
     session.plan_tokens = {k: math.prod(v[1:]) if len(v) == 3 else v[0] for k, v in shapes.items()}  # H·W
-    ranks = rank_policy.ranks_for_ratio(session.site_list, session.tc.ratio or 0.5)
-    t_step2, t_step1 = _train_steps(session, ranks, stage2_inputs, shapes, g)
-    site_local = {}
+    local_sites = {}
     for kind in ("ff", "res"):
         of_kind = sorted((s for s in session.site_list if s.kind == kind and s.name in ranks),
                          key=lambda s: s.width)
         if of_kind:
             low, mid = of_kind[0], of_kind[(len(of_kind) - 1) // 2]
-            site_local[kind] = [_site_init(session, site, shapes, g) for site in {low.name: low, mid.name: mid}.values()]
+            local_sites[kind] = list({low.name: low, mid.name: mid}.values())
+    total = 2 + len(set(_step1_keys(session, ranks, shapes).values())) + sum(len(v) for v in local_sites.values())
+    tick("teacher forward at batch 8", total)
+    t_step2, t_step1 = _train_steps(session, ranks, stage2_inputs, shapes, g, measured_inputs, tick)
+    site_local = {}
+    for kind, sites in local_sites.items():
+        site_local[kind] = []
+        for site in sites:
+            site_local[kind].append(_site_init(session, site, shapes, g))
+            tick(f"{kind} site {site.width} wide: data, init, rank curve")
+    progress.end_stage()
     session.placement.release()
     session.free_device_memory()
-    return {"forward_batch8_s": t_fwd, "stage2_step_s": t_step2, "stage1_step_s": t_step1, "site": site_local,
+    return {"forward_batch8_s": t_fwd, "stage2_step_s": t_step2, "stage2_inputs_measured": measured_inputs,
+            "stage1_step_s": t_step1, "site": site_local,
             "shapes": {k: list(v) for k, v in shapes.items()}, "seconds": time.perf_counter() - t_start}
 
 
-def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: dict, g) -> tuple[float, dict]:
+def _step1_keys(session: "Session", ranks: dict, shapes: dict) -> dict:
+    """{site: the key of its stage-1 step's cost} (sites of one key cost the same)."""
+    return {s.name: (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name), ranks[s.name])
+            for s in session.site_list if s.name in ranks}
+
+
+def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: dict, g, measured_inputs: int,
+                 tick=None) -> tuple[float, dict]:
     """(seconds of one stage-2 step, {site: seconds of one stage-1 step}) at ``ranks``. The stage-2 step trains
     the largest of the groups stage 2 will train in (every site when it trains them at once), with the run's
-    gradient checkpointing, so that the warm-up needs no more memory than the run."""
+    gradient checkpointing, so that the warm-up needs no more memory than the run; it runs at
+    ``measured_inputs`` of the ``stage2_inputs`` and is scaled to them (0: not run, NaN seconds). ``tick(what)``
+    after each part."""
+    tick = tick or (lambda what: None)
+    if not measured_inputs:
+        t_step2 = math.nan
+        tick("stage-2 step: skipped (RAM)")
+    else:
+        t_step2 = _stage2_step(session, ranks, measured_inputs, g) * stage2_inputs / measured_inputs
+        tick(f"stage-2 step at {measured_inputs} input(s)")
+    t_step1, seen = {}, {}
+    for name, key in _step1_keys(session, ranks, shapes).items():
+        if key not in seen:
+            s = session.site_by_name[name]
+            one = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, {name: ranks[name]})
+            seen[key] = _site_step(session, one, s, shapes.get(name), g)
+            tick(f"stage-1 step, {s.kind} site {s.width} wide")
+        t_step1[name] = seen[key]
+    return t_step2, t_step1
+
+
+def _stage2_step(session: "Session", ranks: dict, stage2_inputs: int, g) -> float:
+    """Seconds of one stage-2 step at ``stage2_inputs`` inputs (see :func:`_train_steps`)."""
     n_groups = resolve_groups(session, ranks)
     group = largest_group(session, ranks, n_groups)
     teacher = session.placement.on_device()
@@ -291,18 +395,7 @@ def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: di
         opt.step()
         opt.zero_grad(set_to_none=True)
         _sync(session.device)
-    t_step2 = _timed(step2)
-    del student, adapters, opt, params, aset
-    t_step1, seen = {}, {}
-    for s in session.site_list:
-        if s.name not in ranks:
-            continue
-        key = (s.kind, s.width, s.in_dim, s.out_dim, shapes.get(s.name), ranks[s.name])
-        if key not in seen:
-            one = AdapterSet.shaped_like(session.shapes, session.cfg.family, 0.5, {s.name: ranks[s.name]})
-            seen[key] = _site_step(session, one, s, shapes.get(s.name), g)
-        t_step1[s.name] = seen[key]
-    return t_step2, t_step1
+    return _timed(step2)
 
 
 def _site_init(session: "Session", site, shapes: dict, g) -> dict:
@@ -385,10 +478,25 @@ def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
 def make_plan(session: "Session") -> Plan:
     """Count the run's phases, warm up on its device and estimate each phase's seconds (every site slimmed at
     uniform ``ratio``)."""
-    bank = bank_size(session)
-    b2 = _stage2_inputs(session, bank)
-    w = warm_up(session, b2)
-    return Plan(_phases(session, w, bank, b2), work_folder_bytes(session, bank), w)
+    w = warm_up(session, _stage2_inputs(session, bank_size(session)))
+    return price(session, session.tc, w)
+
+
+def price(session: "Session", tc, w: dict) -> Plan:
+    """The plan of ``session``'s run with the settings ``tc`` instead of its own, from the warm-up ``w`` (same
+    model, device and calibration source; ``tc`` may change the counts, not the shapes)."""
+    view = copy.copy(session)
+    view.tc = tc
+    bank = bank_size(view)
+    b2 = _stage2_inputs(view, bank)
+    work = work_folder_bytes(view, bank)
+    ram = None
+    if session.device.type == "cpu":
+        ranks = warm_ranks(view)
+        group = largest_group(view, ranks, resolve_groups(view, ranks))
+        need = ram_need(view, adapter_param_count([session.site_by_name[s] for s in group], ranks))
+        ram = need.run(b2 if tc.stage2_steps else 0, min(int(tc.ram_budget_gb * 1e9), work))
+    return Plan(_phases(view, w, bank, b2), work, w, ram)
 
 
 def replan(session: "Session", plan: Plan, ranks: dict) -> Plan:
@@ -398,7 +506,8 @@ def replan(session: "Session", plan: Plan, ranks: dict) -> Plan:
     b2 = _stage2_inputs(session, bank)
     shapes = {k: tuple(v) for k, v in plan.warmup["shapes"].items()}
     t0 = time.perf_counter()
-    t_step2, t_step1 = _train_steps(session, ranks, b2, shapes, torch.Generator().manual_seed(1))
+    t_step2, t_step1 = _train_steps(session, ranks, b2, shapes, torch.Generator().manual_seed(1),
+                                    plan.warmup["stage2_inputs_measured"])
     session.placement.release()
     w = dict(plan.warmup, stage2_step_s=t_step2, stage1_step_s=t_step1,
              seconds=plan.warmup["seconds"] + time.perf_counter() - t0)

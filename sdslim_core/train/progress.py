@@ -124,14 +124,17 @@ class Progress:
         if self.bar is not None and position > self.bar.n:
             self.bar.update(position - self.bar.n)
 
-    def advance(self, position: int, total: int | None = None):
-        """A phase without optimizer steps (calibration, capture, rank curves, init) reached ``position`` of its
-        ``total`` units (learnt on the way for the capture): the bar moves and the callback hears it with
-        ``info = {"stage", "done", "of"}``, so a host can stop the run there too."""
+    def advance(self, position: int, total: int | None = None, note: str | None = None):
+        """A phase without optimizer steps (calibration, capture, rank curves, init, the plan's warm-up) reached
+        ``position`` of its ``total`` units (learnt on the way for the capture; ``note``: what the last unit was,
+        shown after the counts): the bar moves and the callback hears it with ``info = {"stage", "done", "of"}``,
+        so a host can stop the run there too."""
         if total is not None:
             self.stage_total = total
             if self.bar is not None:
                 self.bar.total = total
+        if note is not None and self.bar is not None:
+            self.bar.set_postfix({"done": note})
         self.skip(position)
         if self.callback is not None:
             self.callback(self.done, self.total, {"stage": self.stage, "done": position, "of": self.stage_total})

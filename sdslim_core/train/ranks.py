@@ -180,8 +180,12 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
 
     Curves by ``tc.allocation``: ``e2e`` measures the whole-UNet error at every grid rank; ``anchored`` (default)
     measures it at ``tc.alloc_anchors`` ranks and scales the site's own error curve to them
-    (:func:`anchored_curve`); ``site`` uses the site's own error alone."""
+    (:func:`anchored_curve`); ``site`` uses the site's own error alone. With ``start_from`` (``--from``): the base
+    file's ranks, nothing measured."""
     tc, site_list = session.tc, session.site_list
+    if session.base is not None:
+        session.say(f"--from: {len(session.base.sites)} sites at the ranks of {tc.start_from} (no allocation)")
+        return dict(session.base.ranks()), {"start_from": tc.start_from}
     if not tc.allocates():
         return ratio_ranks(site_list, tc), {}
     recorded = _recorded(session)

@@ -17,10 +17,10 @@ import torch
 from . import calibration as cal, ranks as ranks_mod, report as report_mod, stage1, stage2
 from .. import layout
 from ..io.adapters import AdapterSet
-from ..ops import fingerprint
 from .config import TrainConfig
 from .init import initialise
 from .plan import make_plan, replan
+from .recipes import base_metadata
 from .session import Session
 from .sites import site_errors
 from .teacher import teacher_weights
@@ -70,7 +70,7 @@ def execute(session: Session) -> TrainResult:
     session.prepare_work_dir(fp)
     vram_info = {}
     if tc.vram_estimate and not tc.allocates() and session.topo.main:
-        r0 = ranks_mod.ratio_ranks(session.site_list, tc)
+        r0 = session.base.ranks() if session.base is not None else ranks_mod.ratio_ranks(session.site_list, tc)
         vram_info = predict_for(session, r0, stage2.resolve_groups(session, r0))
     plan = plan_info = None
     if tc.plan and session.topo.main:
@@ -128,10 +128,7 @@ def execute(session: Session) -> TrainResult:
                               if session.calib.latents is None else None, sample_steps=tc.sample_steps,
                               guidance=tc.guidance)
     final.metadata = {"sdslim.train": report_mod.train_metadata(report, session, site_err, table),
-                      "sdslim.base": {"family": session.cfg.family, "fingerprint": fp["teacher"],
-                                      "params": report.params["original"],
-                                      "sketches": fingerprint.sketches(((s, final.kind(s)) for s in final.sites),
-                                                                       session.weights.get)}}
+                      "sdslim.base": base_metadata(session.weights, session.cfg, final, fp["teacher"])}
     report.out = str(session.out_path)
     if session.topo.main:
         final.save(session.out_path)

@@ -105,6 +105,18 @@ class Session:
         self.plan_tokens: dict | None = None          # site → H·W of its input, from the plan's warm-up
         self.obs_orders: dict = {}                    # site → its OBS removal orders (rank curves → init)
         self.optimizer_name = optimizer_kind(self.device, tc.optimizer, self.say)
+        self.base = self._base_adapters()             # ``start_from``'s adapters (their sites and ranks), or None
+
+    def _base_adapters(self) -> AdapterSet | None:
+        """The ``start_from`` adapter file, checked against this model (family, sites, widths)."""
+        if self.tc.start_from is None:
+            return None
+        path = Path(self.tc.start_from)
+        if not path.is_file():
+            raise FileNotFoundError(f"--from {path}: no such adapter file")
+        aset = AdapterSet.load(path)
+        aset.check_model(self.shapes, family=self.cfg.family)         # the message names the file
+        return self.ordered(aset)
 
     def say(self, text: str):
         if self.topo.main:
@@ -178,7 +190,9 @@ class Session:
         if self.device.type == "cuda" and self.tc.stage2_groups == "auto":
             props = torch.cuda.get_device_properties(self.device)
             device.update(name=props.name, memory=props.total_memory)
+        base = None if self.base is None else fingerprint_tensors(sorted(self.base.state_dict().items()))
         return {"version": TRAIN_META_VERSION, "run": self.tc.run_fields(), "teacher": self.teacher_fp,
+                "start_from": base,
                 "device": device,
                 "calibration": calib_fp, "schedule": dataclasses.asdict(c.schedule), "family": self.cfg.family,
                 "latent_size": self.latent_size, "world": self.topo.world}

@@ -14,8 +14,8 @@ every site is slimmed; an allocation that leaves sites at full width trains fewe
 
 On a CPU the warm-up first says what RAM it needs (:mod:`.memory`) next to what is free: when its stage-2 step
 does not fit it measures the step at one input and scales it, or leaves stage 2 unpriced, and it refuses (an
-error saying both numbers) when not even a forward fits. :func:`make_ladder` prices the recipes of
-:mod:`.recipes` side by side from one warm-up.
+error saying both numbers) when not even a forward fits. :func:`price` prices other settings (the recipes of
+:mod:`.recipes`, side by side) from the same warm-up.
 """
 from __future__ import annotations
 
@@ -63,7 +63,6 @@ class Plan:
     phases: list
     work_bytes: int
     warmup: dict
-
     ram_bytes: int | None = None          # the run's RAM peak (CPU runs), from :mod:`.memory`
 
     @property

@@ -2,14 +2,16 @@
 same seeds, same prompts, same LoRA and ControlNet.
 
     .venv/bin/python bench/fidelity.py [--teachers tiny,wide] [--targets 0.85,0.75,half,0.55]
-        [--budgets init,demo,long] [--modes uniform,params,flops] [--long-at half] [--trained-at half]
+        [--budgets init,demo,long | data-free,quick,full] [--modes uniform,params,flops] [--long-at half] [--trained-at half]
         [--gguf Q8_0,Q5_1,Q5_0,Q4_1,Q4_0] [--stack fp8,Q8_0,Q5_0,Q4_0] [--out out/bench-fidelity] [--reuse]
         [--ablation] [--allocation anchored|e2e|site] [--alloc-inputs N]
 
 For each shipped teacher (``tiny``: base width 32; ``wide``: base width 64) and each target slim parameter ratio
 (``half`` = SD1.5's ratio at uniform width ½, 0.614), rows: uniform ranks, ranks allocated at equal parameters and
 ranks allocated at uniform's forward FLOPs (``--budget-by flops``), training-free (``init``), after the demo's
-training budget (``demo``) and after a longer one (``long``, at ``--long-at`` targets only); the alternatives in
+training budget (``demo``) and after a longer one (``long``, at ``--long-at`` targets only), or the recipes of
+``sdslim train --recipe`` (``data-free``: uniform ranks from the weights alone; ``quick`` and ``full`` exactly as
+the CLI runs them, allocated at equal parameters; ``sdslim_core.train.recipes``); the alternatives in
 the same table; each target's best allocated slim model stacked with the ``--stack`` formats. Every GGUF row comes
 from a written file: ``sdslim slim``'s writer (``apps.slim.slim_checkpoint(..., quant=TYPE)``, the teacher unslimmed
 or the slim model without embedded adapters) into ``--out``/gguf, read back through the gguf package's dequantiser
@@ -44,11 +46,13 @@ from sdslim_core.tiny import data as tiny_data  # noqa: E402
 from sdslim_core.apps.demo import FULL, PROMPTS_SEED
 from sdslim_core.ops.sampling import diffusers_fn
 from sdslim_core.train import Calibration, TrainConfig, train_adapters  # noqa: E402
-from sdslim_core.train import ranks as ranks_mod  # noqa: E402
+from sdslim_core.train import ranks as ranks_mod, recipes  # noqa: E402
 
 BUDGETS = {"init": dict(FULL, stage1_steps=0, stage2_steps=0),
            "demo": dict(FULL),
-           "long": dict(FULL, stage1_steps=1200, stage2_steps=6000, n_trajectories=48)}
+           "long": dict(FULL, stage1_steps=1200, stage2_steps=6000, n_trajectories=48),
+           **{name: recipes.settings(name) for name in ("quick", "full")}}
+RECIPE_BUDGETS = ("data-free", "quick", "full")
 
 
 def sd15_half() -> float:
@@ -126,11 +130,16 @@ class Teacher:
         ``ratio``; ``overrides``: further :class:`TrainConfig` fields (they win over the budget's)."""
         tc = TrainConfig(ratio=ratio, uniform=mode == "uniform", budget_by="flops" if mode == "flops" else "params",
                          guidance=4.0, latent_size=self.pipe.latent_size, seed=0, work_dir=str(work),
-                         **{**BUDGETS[budget], **self.allocation, **overrides})
+                         **{**BUDGETS.get(budget, {}), **self.allocation, **overrides})
         out, record = work / "adapters.safetensors", work / "cpu_s.json"
         if self.reuse and out.exists() and record.exists():
             return adapters.AdapterSet.load(out), json.loads(record.read_text())["cpu_s"]
+        work.mkdir(parents=True, exist_ok=True)
         t0 = time.process_time()
+        if budget == "data-free":
+            aset = recipes.data_free(self.pipe.unet, self.cfg, TrainConfig(ratio=ratio, uniform=True), out)
+            record.write_text(json.dumps({"cpu_s": time.process_time() - t0}))
+            return aset, json.loads(record.read_text())["cpu_s"]
         res = train_adapters(self.pipe.unet, self.cfg, Calibration.from_prompts(self.calib_prompts,
                                                                                 self.pipe.encode_prompt),
                              tc, out)
@@ -306,9 +315,12 @@ def main():
             tag = f"{target:.3f}" + (" (SD1.5 half)" if target == half else "")
             best = None
             for budget in budgets:
-                if budget == "long" and target not in long_at or budget != "init" and target not in trained_at:
+                if budget == "long" and target not in long_at or budget not in ("init", "data-free") and \
+                        target not in trained_at:
                     continue
-                for mode in (args.modes.split(",") if budget == "init" else ("params",)):
+                modes = args.modes.split(",") if budget == "init" else ("uniform",) if budget == "data-free" \
+                    else ("params",)
+                for mode in modes:
                     work = out / "work" / f"{name}-{target:.3f}-{budget}-{mode}"
                     aset, cpu = t.train(ratio, mode, budget, work)
                     m, ml, w = t.candidates.slim(aset)

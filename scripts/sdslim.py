@@ -366,11 +366,13 @@ def _webui_calibration(sd_model, form, cfg, pixels):
     return a1111_training.calibration(conds, uncond, empty, texts, negative, cfg, pixels)
 
 
-def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename):
+def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe="full",
+          start_from=a1111_training.NO_START):
     """The Train button, under the webui's GPU call: adapters for the loaded checkpoint into models/sdslim (resumed
-    from its work folder after an Interrupt), distilled from the UNet without LoRAs."""
+    from its work folder after an Interrupt), distilled from the UNet without LoRAs (data-free: from its weights)."""
     try:
-        form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename)
+        form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename, recipe,
+                                         start_from)
     except ValueError as err:                       # a refusal, like those below: in words in the Report box
         return _train_outputs(str(err))
     sd_model = shared.sd_model
@@ -382,6 +384,8 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
     restore_original("training", forget=False)      # the slim layers off; their folded cache is kept
     unet = sd_model.model.diffusion_model
     weights, cfg = a1111_training.teacher(unet)
+    if form.recipe == "data-free":
+        return _train_outputs(_data_free(weights, cfg, form, out), refreshed=True)
     pixels = form.pixels(cfg)
     job = a1111_training.JobProgress(shared.state)
     job.say("encoding the prompts")
@@ -392,7 +396,7 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
     if getattr(sd_model, "lowvram", False):
         lowvram.send_everything_to_cpu()            # --medvram/--lowvram: the webui's modules leave the GPU
     job.say("calibrating: the teacher's own sampling runs")
-    options = form.options(cfg, next(unet.parameters()).dtype, str(devices.device))
+    options = form.options(cfg, next(unet.parameters()).dtype, str(devices.device), ADAPTER_DIR)
     try:
         result = train_adapters(weights, cfg, calib, out_path=out, progress=job, resume="auto", work_dir=work,
                                 log=job.say, **options)
@@ -404,6 +408,17 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
     refresh_adapters()
     _log(f"adapters written to {out}")
     return _train_outputs(a1111_training.finished_text(out, result.report, notes), refreshed=True)
+
+
+def _data_free(weights, cfg, form, out) -> str:
+    """The data-free recipe: the adapter file from the UNet's weights alone (seconds)."""
+    import time
+    from sdslim_core.train import TrainConfig, recipes
+    t0 = time.perf_counter()
+    aset = recipes.data_free(weights, cfg, TrainConfig(ratio=form.ratio), out)
+    refresh_adapters()
+    _log(f"adapters written to {out}")
+    return recipes.data_free_text(aset, out, time.perf_counter() - t0)
 
 
 def _train_outputs(text, refreshed=False):
@@ -451,6 +466,15 @@ def _train_tab():
                 filename = gr.Textbox(value="my_adapters", label="Output file (in models/sdslim)",
                                       elem_id="sdslim_train_filename")
                 with gr.Row():
+                    recipe = gr.Dropdown(choices=["full", "quick", "data-free"], value="full",
+                                         elem_id="sdslim_train_recipe",
+                                         label="Recipe (full: both training stages; quick: measured, no training, "
+                                               "minutes; data-free: weights only, seconds, the lowest fidelity)")
+                    start_from = gr.Dropdown(choices=[a1111_training.NO_START, *_State.choices],
+                                             value=a1111_training.NO_START, elem_id="sdslim_train_start_from",
+                                             label="Start from adapters (made for the model this one derives "
+                                                   "from: refit, short stage 2)")
+                with gr.Row():
                     interrupt = gr.Button(value="Interrupt", elem_id="sdslim_train_interrupt")
                     start = gr.Button(value="Train", variant="primary", elem_id="sdslim_train_start")
             with gr.Column():
@@ -459,7 +483,7 @@ def _train_tab():
                 result = gr.HTML(value="", elem_id="sdslim_train_result")
         gpu_train = call_queue.wrap_gradio_gpu_call(train, extra_outputs=[gr.update()] * (1 + len(_State.dropdowns)))
         start.click(fn=_train_click(gpu_train), _js="sdslim_start_training",
-                    inputs=[task, prompts, negative, ratio, budget, steps, size, seed, filename],
+                    inputs=[task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe, start_from],
                     outputs=[report, *_State.dropdowns, result])
         interrupt.click(fn=_interrupt, inputs=[], outputs=[])
     return [(tab, "SD Slim", "sdslim_train")]

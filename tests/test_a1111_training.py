@@ -62,9 +62,9 @@ def _buttons():
 def _train(s, filename="trained", prompts=PROMPTS, task="task(t1)", **kw):
     fn, inputs, outputs = _buttons()["sdslim_train_start"]
     assert outputs[1:-1] == s.module._State.dropdowns           # the accordions' adapter dropdowns
-    values = dict(FORM, **kw)
+    values = {**FORM, "recipe": "full", "start_from": a1111_training.NO_START, **kw}
     args = [task, prompts, values["negative"], values["ratio"], values["budget"], values["steps"], values["size"],
-            values["seed"], filename]
+            values["seed"], filename, values["recipe"], values["start_from"]]
     assert len(args) == len(inputs)
     res = fn(*args)
     assert len(res) == len(outputs)
@@ -184,6 +184,29 @@ def test_interrupt_before_the_steps_stops_there_and_says_which_phase(session, we
     assert resumed.state_dict().keys() == fresh.state_dict().keys()
     for k, v in fresh.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
+
+
+def test_recipe_and_start_from_adapters_inputs(session, webui):
+    """The tab's recipe and "start from adapters" inputs: data-free needs no prompt and writes the weight-norm
+    selection of the UNet without LoRAs (computed here from the pristine weights); a refit from that file keeps its
+    sites and ranks and trains a stage 2 of the form's steps only."""
+    s = session
+    text, *_ = _train(s, filename="df", prompts="", recipe="data-free")
+    assert "lowest fidelity" in text, text
+    got = AdapterSet.load(webui.adapters / "df.safetensors")
+    canon, _, _ = layout.to_canonical({k: v.double() for k, v in s.pristine.state_dict().items()})
+    from sdslim_core.layout import rank_policy
+    want = AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(layout.sites(canon), 0.5), "sd15")
+    assert got.ranks() == want.ranks() and all(torch.equal(got.sites[t][k].double(), want.sites[t][k])
+                                                for t in want.sites for k in want.sites[t])
+    assert "df.safetensors" in s.module._State.choices
+    text, *_ = _train(s, filename="refit", start_from="df.safetensors", steps=3)
+    assert text.startswith("adapters written to"), text
+    refit = AdapterSet.load(webui.adapters / "refit.safetensors")
+    assert refit.ranks() == got.ranks()
+    assert refit.metadata["sdslim.train"]["steps"] == {"stage1_per_site": 0, "stage2": 3}
+    *_, html = _train(s, filename="x", start_from="gone.safetensors")     # the webui's error box says why
+    assert "gone.safetensors not found" in html and not (webui.adapters / "x.safetensors").exists()
 
 
 def test_the_teacher_is_the_unet_without_loras_in_copies(session):

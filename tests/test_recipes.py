@@ -106,7 +106,7 @@ def test_quick_recipe_runs_no_training_stage(tmp_path, capsys):
     finally:
         stage1.run_stage1, stage2.run_stage2 = real1, real2
     report = json.loads(out)
-    assert calls == [("stage1", 0)]                 # stage 1 with no step (it only measures), stage 2 never
+    assert calls == []                              # neither stage runs
     assert report["steps"] == {"stage1_per_site": 0, "stage2": 0} and "stage2" not in report["unet_error"]
     assert report["budget"]                           # the default rank allocation ran
     assert AdapterSet.load(tmp_path / "q.safetensors").metadata["sdslim.base"]["sketches"]["tensors"]
@@ -152,7 +152,7 @@ def test_plan_only_prices_the_ladder_with_warm_up_progress_lines(tmp_path, capsy
                   "--plan-only", "--json")
     ladder = json.loads(out)
     quick, full = ladder["recipes"]["quick"], ladder["recipes"]["full"]
-    assert [p["name"] for p in quick["phases"]] == ["calibration", "capture", "rank curves", "init", "stage 1"]
+    assert [p["name"] for p in quick["phases"]] == ["calibration", "capture", "rank curves", "init"]
     assert full["phases"][-1]["name"] == "stage 2" and quick["eta_s"] < full["eta_s"]
     assert quick["phases"][0]["units"] == 8 and full["phases"][0]["units"] == 16      # the light calibration
     assert ladder["data-free"]["seconds"] < quick["eta_s"] and quick["ram_bytes"] > 0

@@ -278,7 +278,7 @@ def _plan_ladder(args, ckpt, calib, pipe, log):
     weights, cfg = teacher_weights(ckpt, ckpt.config)
     heaviest = variants["refit (--from)" if args.start_from else "full"]
     session = Session(weights, cfg, heaviest, calib, args.out, None, False)
-    data_free_cfg = None if args.start_from else config_from_args(
+    data_free_cfg = None if args.start_from or args.budget else config_from_args(
         argparse.Namespace(**dict(vars(args), recipe="data-free")), pipe, log)
     return plan_ladder(session, variants, data_free_cfg)
 

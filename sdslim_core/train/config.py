@@ -145,8 +145,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every must be ≥ 1")
         if self.start_from is not None:
             self.start_from = str(self.start_from)
-            if self.budget is not None or self.uniform:
-                raise ValueError("--from keeps the base adapters' ranks: give it without --budget/--uniform")
+            if self.budget is not None:
+                raise ValueError("--from keeps the base adapters' ranks: give it without --budget")
 
     def allocates(self) -> bool:
         """True when ranks come from measured error curves (a budget, or ``--ratio`` without ``--uniform``; never

@@ -14,8 +14,8 @@ every site is slimmed; an allocation that leaves sites at full width trains fewe
 
 On a CPU the warm-up first says what RAM it needs (:mod:`.memory`) next to what is free: when its stage-2 step
 does not fit it measures the step at one input and scales it, or leaves stage 2 unpriced, and it refuses (an
-error saying both numbers) when not even a forward fits. :func:`make_ladder` prices the recipes of
-:mod:`.recipes` side by side from one warm-up.
+error saying both numbers) when not even a forward fits. :func:`price` prices other settings (the recipes of
+:mod:`.recipes`, side by side) from the same warm-up.
 """
 from __future__ import annotations
 
@@ -63,7 +63,6 @@ class Plan:
     phases: list
     work_bytes: int
     warmup: dict
-
     ram_bytes: int | None = None          # the run's RAM peak (CPU runs), from :mod:`.memory`
 
     @property
@@ -261,10 +260,10 @@ def fit_in_ram(session: "Session", ranks: dict, stage2_inputs: int) -> int:
     group = largest_group(session, ranks, resolve_groups(session, ranks))
     need = ram_need(session, adapter_param_count([session.site_by_name[s] for s in group], ranks))
     free = available_ram()
-    session.say(f"warm-up: a teacher forward at batch 8, one stage-2 step at {stage2_inputs} input(s), one stage-1 "
-                f"step per site shape and the per-site work on 2 sites of each kind, on random inputs; RAM beyond "
-                f"the loaded teacher ({gib(need.teacher)}): ~{gib(need.warm_up(stage2_inputs))}, "
-                f"{gib(free)} free")
+    step = f"one stage-2 step at {stage2_inputs} input(s), " if stage2_inputs else ""
+    session.say(f"warm-up: a teacher forward at batch 8, {step}one stage-1 step per site shape and the per-site "
+                f"work on 2 sites of each kind, on random inputs; RAM beyond the loaded teacher "
+                f"({gib(need.teacher)}): ~{gib(need.warm_up(stage2_inputs))}, {gib(free)} free")
     if need.warm_up(stage2_inputs) <= free:
         return stage2_inputs
     if stage2_inputs > 1 and need.warm_up(1) <= free:
@@ -288,6 +287,8 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
     t_start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     ranks = warm_ranks(session)
+    if not session.tc.stage2_steps:                  # a run without stage 2 (quick) needs no stage-2 step
+        stage2_inputs = 0
     measured_inputs = fit_in_ram(session, ranks, stage2_inputs)
     progress = session.progress
     progress.start_stage("warm-up", None, unit="part")
@@ -357,7 +358,7 @@ def _train_steps(session: "Session", ranks: dict, stage2_inputs: int, shapes: di
     tick = tick or (lambda what: None)
     if not measured_inputs:
         t_step2 = math.nan
-        tick("stage-2 step: skipped (RAM)")
+        tick("stage-2 step: skipped (RAM)" if stage2_inputs else "no stage 2")
     else:
         t_step2 = _stage2_step(session, ranks, measured_inputs, g) * stage2_inputs / measured_inputs
         tick(f"stage-2 step at {measured_inputs} input(s)")
@@ -402,7 +403,8 @@ def _site_init(session: "Session", site, shapes: dict, g) -> dict:
     """Seconds of the site-local work the phases repeat per site, measured on one site with random data of the
     run's size: reading its data and statistics (``data_s``: the teacher site's outputs, the activation
     covariances), the OBS removal order (``order_s``: once per run; 0 when ``obs`` is not an init method), a rank
-    curve's local scoring (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank)."""
+    curve's local scoring (``curve_s``) and the initialisation (``init_s``: every method at the uniform rank;
+    ``init_method_s``: each one's seconds)."""
     from .init import SiteInit
     from .ranks import rank_grid
     from .sites import SiteData
@@ -441,10 +443,13 @@ def _site_init(session: "Session", site, shapes: dict, g) -> dict:
     t0 = time.perf_counter()
     si.curve(rank_grid(site, fractions), tc.init_methods[0])
     t_curve = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    si.best(rank, tc.init_methods)
+    methods = {}
+    for method in tc.init_methods:                       # each method on its own: recipes measure fewer
+        t0 = time.perf_counter()
+        si.best(rank, (method,))
+        methods[method] = time.perf_counter() - t0
     return {"site": site.name, "width": site.width, "data_s": t_data + t_stats, "order_s": t_order,
-            "curve_s": t_curve, "init_s": time.perf_counter() - t0}
+            "curve_s": t_curve, "init_s": sum(methods.values()), "init_method_s": methods}
 
 
 def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
@@ -490,6 +495,7 @@ def price(session: "Session", tc, w: dict) -> Plan:
     bank = bank_size(view)
     b2 = _stage2_inputs(view, bank)
     work = work_folder_bytes(view, bank)
+    w = _for_methods(w, tc.init_methods)
     ram = None
     if session.device.type == "cpu":
         ranks = warm_ranks(view)
@@ -512,6 +518,14 @@ def replan(session: "Session", plan: Plan, ranks: dict) -> Plan:
     w = dict(plan.warmup, stage2_step_s=t_step2, stage1_step_s=t_step1,
              seconds=plan.warmup["seconds"] + time.perf_counter() - t0)
     return Plan(_phases(session, w, bank, b2), plan.work_bytes, w)
+
+
+def _for_methods(w: dict, methods) -> dict:
+    """The warm-up ``w`` with each measured site's ``init_s`` the sum over ``methods`` (those it measured)."""
+    site = {kind: [dict(m, init_s=sum(t for k, t in m["init_method_s"].items() if k in methods))
+                   if set(methods) <= set(m.get("init_method_s", {})) else m for m in entries]
+            for kind, entries in w["site"].items()}
+    return dict(w, site=site)
 
 
 def _phases(session: "Session", w: dict, bank: Inputs, b2: int) -> list[Phase]:
@@ -544,12 +558,15 @@ def _phases(session: "Session", w: dict, bank: Inputs, b2: int) -> list[Phase]:
                             + per_site("data_s", every) + per_site("curve_s", every)))
     # the OBS removal orders: computed once per site, in the rank-curve pass when there is one (it needs them
     # first), else in the init; counted here, with the init, either way
-    phases.append(Phase("init", n_sites, "site", 0, 0, per_site("data_s") + per_site("init_s")
-                        + per_site("order_s", every if sites else step1)))
-    evals_s1 = _evaluations(tc.stage1_steps)
-    stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items()) + per_site("data_s")
-    held = math.ceil(bank.n_eval / BATCH) * w["forward_batch8_s"]
-    phases.append(Phase("stage 1", tc.stage1_steps * n_sites, "step", 2 * bank.n_eval, 0, stage1_s + 2 * held))
+    held = math.ceil(bank.n_eval / BATCH) * w["forward_batch8_s"]           # one held-out UNet error
+    init_s = per_site("data_s") + per_site("init_s") + per_site("order_s", every if sites else step1)
+    if not tc.stage1_steps:                      # no stage 1: the init's UNet error is measured, then the file
+        phases.append(Phase("init", n_sites, "site", bank.n_eval, 0, init_s + held))
+    else:
+        phases.append(Phase("init", n_sites, "site", 0, 0, init_s))
+        evals_s1 = _evaluations(tc.stage1_steps)
+        stage1_s = sum(t * tc.stage1_steps + score[s] * evals_s1 for s, t in step1.items()) + per_site("data_s")
+        phases.append(Phase("stage 1", tc.stage1_steps * n_sites, "step", 2 * bank.n_eval, 0, stage1_s + 2 * held))
     if tc.stage2_steps:
         evals = _evaluations(tc.stage2_steps)
         extra = 1 - (1 - tc.control_prob) * (1 - tc.lora_prob)      # steps whose target the teacher recomputes

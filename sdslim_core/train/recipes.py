@@ -3,8 +3,10 @@
 - ``data-free``: weights only, no calibration, seconds at any ratio: every site at the uniform ranks of
   ``--ratio`` (or the per-kind values), initialised by :meth:`AdapterSet.init_select` (largest weight norms). The
   cheapest file and the least faithful one (bench/RESULTS.md, "Recipes").
-- ``quick``: the training-free recipe: a light calibration (:data:`LIGHT_CALIBRATION`), the default rank
-  allocation and the activation-aware initialisation; no stage 1 or 2.
+- ``quick``: the training-free recipe: a light calibration (:data:`LIGHT_CALIBRATION`), the default (anchored)
+  rank allocation with one whole-UNet anchor per site instead of two (at the site's target rank: half the
+  allocation's UNet forwards, its largest cost at real size) and the activation-aware initialisation measured
+  among :data:`QUICK_INIT` (not PCA or the weight SVD: eigendecompositions of the widest sites); no stage 1 or 2.
 - ``full``: everything (:class:`TrainConfig`'s defaults).
 - ``--from BASE_ADAPTERS`` (:data:`REFIT`): the base file's sites and ranks (no allocation), each site started
   from the base adapter or re-initialised from the derivative's activations where that measures better, then a
@@ -25,7 +27,10 @@ from .teacher import teacher_weights
 RECIPES = ("data-free", "quick", "full")
 DEFAULT_RECIPE = "full"
 LIGHT_CALIBRATION = {"n_trajectories": 8}
-SETTINGS = {"data-free": {}, "quick": dict(LIGHT_CALIBRATION, stage1_steps=0, stage2_steps=0), "full": {}}
+QUICK_INIT = ("obs", "act_select", "select")     # the methods that win (bench/RESULTS.md), not the PCA/SVD ones
+SETTINGS = {"data-free": {}, "quick": dict(LIGHT_CALIBRATION, alloc_anchors=1, init_methods=QUICK_INIT,
+                                           stage1_steps=0, stage2_steps=0),
+            "full": {}}
 REFIT = dict(LIGHT_CALIBRATION, stage1_steps=0, stage2_steps=200)
 
 

@@ -50,6 +50,8 @@ def _stage1(session: Session, store, aset_init: AdapterSet, err_init: dict, bank
         info = aset_s1.metadata["sdslim.stage1"]
         return aset_s1, {k: float(v) for k, v in info["site_error"].items()}, dict(info["unet_error"])
     unet_err = {"init": _measure(session, aset_init, bank)}
+    if not session.tc.stage1_steps:               # nothing to train: the init is stage 1's result
+        return aset_init, dict(err_init), dict(unet_err, stage1=unet_err["init"])
     tensors, err_s1 = stage1.run_stage1(session, store, aset_init, err_init)
     aset_s1 = session.ordered(AdapterSet(session.cfg.family, tensors, aset_init.norm_groups))
     unet_err["stage1"] = _measure(session, aset_s1, bank)
@@ -86,8 +88,9 @@ def execute(session: Session) -> TrainResult:
         if plan is not None:
             after = replan(session, plan, ranks)
             plan_info = dict(plan_info, after_ranks=after.to_dict())
-            session.say(f"after rank allocation ({len(ranks)} sites slimmed): stage 1 ~{after.phases[-2].seconds:.0f} "
-                        f"s, stage 2 ~{after.phases[-1].seconds:.0f} s; ETA of the whole run ~{after.eta_s:.0f} s")
+            stages = ", ".join(f"{p.name} ~{p.seconds:.0f} s" for p in after.phases if p.name.startswith("stage"))
+            session.say(f"after rank allocation ({len(ranks)} sites slimmed): {stages}; ETA of the whole run "
+                        f"~{after.eta_s:.0f} s")
     if not ranks:
         raise ValueError("no site would be slimmed with these settings (every rank is the full width)")
     if tc.vram_estimate and tc.allocates() and session.topo.main:

@@ -19,7 +19,7 @@ import os
 import torch
 
 from ... import layout
-from ...train import Calibration
+from ...train import Calibration, recipes
 from ...train.calibration import SDXL_TIME_EMBEDS, sdxl_time_ids
 from ...train.config import parse_budget
 from ...train.report import short_site
@@ -49,6 +49,17 @@ class TrainForm:
     size: int               # image side in pixels; 0: the model's native size
     seed: int
     filename: str
+    recipe: str = recipes.DEFAULT_RECIPE
+    start_from: str | None = None   # an adapter file name in models/sdslim (refit for a derivative), or None
+
+    def start_path(self, adapter_dir: str) -> str | None:
+        """The ``start_from`` file in ``adapter_dir`` (a clear error when it is gone), or None."""
+        if self.start_from is None:
+            return None
+        path = os.path.join(adapter_dir, self.start_from)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"SD Slim training: start from adapters: {path} not found")
+        return path
 
     def paths(self, adapter_dir: str) -> tuple[str, str]:
         """(adapter file in ``adapter_dir``, its work folder beside that folder)."""
@@ -59,13 +70,13 @@ class TrainForm:
         """The image side of the calibration trajectories: the form's, else the family's native size."""
         return self.size or DEFAULT_LATENT.get(cfg.family, 64) * 8
 
-    def options(self, cfg: layout.UNetConfig, unet_dtype: torch.dtype, device: str) -> dict:
-        """``train_adapters`` keyword options. The teacher runs in the webui UNet's dtype (``--no-half``: float32)."""
+    def options(self, cfg: layout.UNetConfig, unet_dtype: torch.dtype, device: str, adapter_dir: str = "") -> dict:
+        """``train_adapters`` keyword options. The teacher runs in the webui UNet's dtype (``--no-half``: float32);
+        the recipe's settings (``start_from`` is looked up in ``adapter_dir``)."""
         out = {"seed": self.seed, "latent_size": self.pixels(cfg) // 8, "device": device,
                "teacher_dtype": _TEACHER_DTYPES.get(unet_dtype, "auto")}
         out.update({"budget": self.budget} if self.budget else {"ratio": self.ratio})
-        if self.steps:
-            out["steps"] = self.steps
+        out.update(recipes.host_overrides(self.recipe, self.steps, self.start_path(adapter_dir)))
         return out
 
 
@@ -80,10 +91,21 @@ def _whole(value, name: str, low: int, high: int | None = None) -> int:
     return int(number)
 
 
-def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, seed, filename: str) -> TrainForm:
+NO_START = "(none)"                     # the "start from adapters" choice of a run from scratch
+
+
+def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, seed, filename: str,
+               recipe: str = recipes.DEFAULT_RECIPE, start_from: str = NO_START) -> TrainForm:
     """The tab's values as a :class:`TrainForm`; a clear ValueError naming the field that is wrong."""
     lines = tuple(p.strip() for p in (prompts or "").splitlines() if p.strip())
-    if not lines:
+    recipe = recipe or recipes.DEFAULT_RECIPE
+    if recipe not in recipes.RECIPES:
+        raise ValueError(f"SD Slim training: recipe must be one of {', '.join(recipes.RECIPES)}, got {recipe!r}")
+    start_from = None if start_from in (None, "", NO_START) else str(start_from)
+    if recipe == "data-free" and (start_from or (budget or "").strip()):
+        raise ValueError("SD Slim training: the data-free recipe takes a ratio only (no budget, no start from "
+                         "adapters): it measures nothing")
+    if not lines and recipe != "data-free":
         raise ValueError("SD Slim training needs at least one prompt (one per line)")
     budget = (budget or "").strip() or None
     if budget is not None:
@@ -104,7 +126,7 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
         raise ValueError(f"SD Slim training: size must be 0 (the model's native size) or a multiple of {SIZE_STEP} "
                          f"pixels, got {size}")
     form = TrainForm(lines, (negative or "").strip(), ratio, budget, _whole(steps, "steps", 0), size,
-                     _whole(seed, "seed", 0), (filename or "").strip())
+                     _whole(seed, "seed", 0), (filename or "").strip(), recipe, start_from)
     train_paths.adapter_output("models/sdslim", form.filename)     # the name's own check
     return form
 

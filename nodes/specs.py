@@ -169,7 +169,7 @@ TRAIN = NodeSpec(
                 "SD2, 128 for SDXL, 8 for the tiny demo model"),
      In("recipe", "COMBO", options=lambda: list(RECIPES), optional=True,
         tooltip="full: calibration, rank allocation, both training stages ('steps' each); quick: calibration, "
-                "allocation and initialisation only (minutes, 'steps' unused); data-free: from the weights alone "
+                "allocation and initialisation only (about a tenth of full's time, 'steps' unused); data-free: from the weights alone "
                 "(seconds, uniform ranks at 'ratio', the lowest fidelity; no conditioning needed)"),
      In("start_from", "COMBO", options=lambda: [NO_START] + _adapter_files(), optional=True,
         tooltip="start from adapters made for the model this MODEL derives from (a fine-tune, a merge): their "

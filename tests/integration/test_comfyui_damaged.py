@@ -39,6 +39,15 @@ def _good_files(folders: dict) -> dict:
     return good
 
 
+def _shipped_adapters() -> list[str]:
+    """The pack's tiny demo adapter files, which Slim UNet offers after models/sdslim (nodes/entry.py)."""
+    from sdslim_core.io.files import read_raw_header
+    assets = os.path.join(ROOT, "sdslim_core", "tiny", "assets")
+    return [f for f in os.listdir(assets) if f.endswith(".safetensors")
+            and read_raw_header(os.path.join(assets, f))[0].get("__metadata__", {}).get("sdslim.format")
+            == "sdslim-adapters"]
+
+
 def _damage(good: dict, name: str) -> None:
     import gguf
     for path in good.values():
@@ -61,7 +70,8 @@ def test_damaged_files_never_fail_the_import_or_a_node_list(tmp_path):
         folder.mkdir()
     good = _good_files(folders)
     _damage(good, "at-start")
-    expected = {"SdslimSlimUNet": ["good.safetensors"], "SdslimLoadSlimCheckpoint": ["good.safetensors"],
+    expected = {"SdslimSlimUNet": sorted(["good.safetensors", *_shipped_adapters()]),
+                "SdslimLoadSlimCheckpoint": ["good.safetensors"],
                 "SdslimLoadSlimGGUF": ["good.gguf"]}
     with ComfyServer(tmp_path / "comfy", folders) as server:
         assert "IMPORT FAILED" not in server.log(), server.log()[-3000:]

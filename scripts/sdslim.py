@@ -422,10 +422,12 @@ def _data_free(weights, cfg, form, out) -> str:
 
 
 def _train_outputs(text, refreshed=False):
-    """The Train event's outputs: the report, the accordions' dropdowns (new choices after a training), the HTML
-    the webui's GPU call appends its timing (or an error) to."""
-    update = gr.update(choices=[params.FROM_SETTINGS, *_State.choices]) if refreshed else gr.update()
-    return (text, *[update] * len(_State.dropdowns), "")
+    """The Train event's outputs: the report, the accordions' dropdowns and the tab's *Start from adapters* (new
+    choices after a training), the HTML the webui's GPU call appends its timing (or an error) to."""
+    if not refreshed:
+        return (text, *[gr.update()] * (len(_State.dropdowns) + 1), "")
+    update = gr.update(choices=[params.FROM_SETTINGS, *_State.choices])
+    return (text, *[update] * len(_State.dropdowns), gr.update(choices=[a1111_training.NO_START, *_State.choices]), "")
 
 
 def _train_click(gpu_train):
@@ -469,7 +471,8 @@ def _train_tab():
                     recipe = gr.Dropdown(choices=["full", "quick", "data-free"], value="full",
                                          elem_id="sdslim_train_recipe",
                                          label="Recipe (full: both training stages; quick: measured, no training, "
-                                               "minutes; data-free: weights only, seconds, the lowest fidelity)")
+                                               "about a tenth of full's time; data-free: weights only, seconds, "
+                                               "the lowest fidelity)")
                     start_from = gr.Dropdown(choices=[a1111_training.NO_START, *_State.choices],
                                              value=a1111_training.NO_START, elem_id="sdslim_train_start_from",
                                              label="Start from adapters (made for the model this one derives "
@@ -481,10 +484,10 @@ def _train_tab():
                 report = gr.Textbox(label="Report", lines=24, interactive=False, elem_id="sdslim_train_output")
                 gr.HTML(value="", elem_id="sdslim_train_progress")
                 result = gr.HTML(value="", elem_id="sdslim_train_result")
-        gpu_train = call_queue.wrap_gradio_gpu_call(train, extra_outputs=[gr.update()] * (1 + len(_State.dropdowns)))
+        gpu_train = call_queue.wrap_gradio_gpu_call(train, extra_outputs=[gr.update()] * (2 + len(_State.dropdowns)))
         start.click(fn=_train_click(gpu_train), _js="sdslim_start_training",
                     inputs=[task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe, start_from],
-                    outputs=[report, *_State.dropdowns, result])
+                    outputs=[report, *_State.dropdowns, start_from, result])
         interrupt.click(fn=_interrupt, inputs=[], outputs=[])
     return [(tab, "SD Slim", "sdslim_train")]
 

@@ -61,7 +61,8 @@ def _buttons():
 
 def _train(s, filename="trained", prompts=PROMPTS, task="task(t1)", **kw):
     fn, inputs, outputs = _buttons()["sdslim_train_start"]
-    assert outputs[1:-1] == s.module._State.dropdowns           # the accordions' adapter dropdowns
+    assert outputs[1:-2] == s.module._State.dropdowns           # the accordions' adapter dropdowns
+    assert outputs[-2].kwargs["elem_id"] == "sdslim_train_start_from"
     values = {**FORM, "recipe": "full", "start_from": a1111_training.NO_START, **kw}
     args = [task, prompts, values["negative"], values["ratio"], values["budget"], values["steps"], values["size"],
             values["seed"], filename, values["recipe"], values["start_from"]]
@@ -129,7 +130,9 @@ def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui,
     assert [x[3] for x in seen] == list(range(19, 33)), "resumed after the last checkpoint (step 18), not from 1"
     assert not work.exists() and not (webui.models / "sdslim_work" / "trained.safetensors.work").exists()
     assert "trained.safetensors" in s.module._State.choices
+    *updates, start_from = updates                                        # the accordion's, the tab's Start from
     assert all(u["choices"] == ["Settings", *s.module._State.choices] for u in updates) and len(updates) == 1
+    assert start_from["choices"] == [a1111_training.NO_START, *s.module._State.choices]
     s.assert_same_as(snap)                                                   # the webui's model is untouched
     assert _lora_state(s.unet) == lora_before
     assert s.networks.loaded_networks == []          # prompts were encoded without LoRAs (tags removed)
@@ -191,7 +194,8 @@ def test_recipe_and_start_from_adapters_inputs(session, webui):
     selection of the UNet without LoRAs (computed here from the pristine weights); a refit from that file keeps its
     sites and ranks and trains a stage 2 of the form's steps only."""
     s = session
-    text, *_ = _train(s, filename="df", prompts="", recipe="data-free")
+    res = _train(s, filename="df", prompts="", recipe="data-free")
+    text = res[0]
     assert "lowest fidelity" in text, text
     got = AdapterSet.load(webui.adapters / "df.safetensors")
     canon, _, _ = layout.to_canonical({k: v.double() for k, v in s.pristine.state_dict().items()})
@@ -200,6 +204,7 @@ def test_recipe_and_start_from_adapters_inputs(session, webui):
     assert got.ranks() == want.ranks() and all(torch.equal(got.sites[t][k].double(), want.sites[t][k])
                                                 for t in want.sites for k in want.sites[t])
     assert "df.safetensors" in s.module._State.choices
+    assert "df.safetensors" in res[-2]["choices"] and res[-2]["choices"][0] == a1111_training.NO_START
     text, *_ = _train(s, filename="refit", start_from="df.safetensors", steps=3)
     assert text.startswith("adapters written to"), text
     refit = AdapterSet.load(webui.adapters / "refit.safetensors")

@@ -137,7 +137,7 @@ class Teacher:
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.process_time()
         if budget == "data-free":
-            aset = recipes.data_free(self.pipe.unet, self.cfg, TrainConfig(ratio=ratio, uniform=True), out)
+            aset, _ = recipes.data_free(self.pipe.unet, self.cfg, TrainConfig(ratio=ratio, uniform=True), out)
             record.write_text(json.dumps({"cpu_s": time.process_time() - t0}))
             return aset, json.loads(record.read_text())["cpu_s"]
         res = train_adapters(self.pipe.unet, self.cfg, Calibration.from_prompts(self.calib_prompts,

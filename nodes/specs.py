@@ -59,7 +59,7 @@ class NodeSpec:
         return getattr(actions, self.action)(**inputs)
 
 
-RECIPES = ("full", "quick", "data-free")     # sdslim_core.train.recipes.RECIPES, the default first
+RECIPES = ("full", "quick", "data-free")     # sdslim_core.train.recipes.CHOICES (kept torch-free here)
 NO_START = "(none)"
 
 

@@ -73,11 +73,9 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
         if start is not None or (budget and budget.strip()):
             raise ValueError("sdslim: the data-free recipe takes only 'ratio' (no budget, no start_from): it "
                              "measures nothing")
-        import time
         weights, cfg = teacher(model)
-        t0 = time.perf_counter()
-        aset = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio), out)
-        return recipes.data_free_text(aset, out, time.perf_counter() - t0)
+        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio), out)
+        return recipes.data_free_text(aset, out, seconds)
     calib, notes = comfyui_conditioning.calibration(*calibration_conditioning(positive, negative, clip, prompts))
     bar = comfy.utils.ProgressBar(1)
 

@@ -26,7 +26,7 @@ from sdslim_core.hosts.a1111 import lora as a1111_lora
 from sdslim_core.hosts.a1111 import params
 from sdslim_core.hosts.a1111 import training as a1111_training
 from sdslim_core.modules.live_slim import LiveSlim
-from sdslim_core.train import train_adapters
+from sdslim_core.train import recipes, train_adapters
 from sdslim_core.vram import live as vram_live
 
 SECTION = ("sdslim", "SD Slim")
@@ -412,13 +412,11 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
 
 def _data_free(weights, cfg, form, out) -> str:
     """The data-free recipe: the adapter file from the UNet's weights alone (seconds)."""
-    import time
-    from sdslim_core.train import TrainConfig, recipes
-    t0 = time.perf_counter()
-    aset = recipes.data_free(weights, cfg, TrainConfig(ratio=form.ratio), out)
+    from sdslim_core.train import TrainConfig
+    aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=form.ratio), out)
     refresh_adapters()
     _log(f"adapters written to {out}")
-    return recipes.data_free_text(aset, out, time.perf_counter() - t0)
+    return recipes.data_free_text(aset, out, seconds)
 
 
 def _train_outputs(text, refreshed=False):
@@ -468,7 +466,7 @@ def _train_tab():
                 filename = gr.Textbox(value="my_adapters", label="Output file (in models/sdslim)",
                                       elem_id="sdslim_train_filename")
                 with gr.Row():
-                    recipe = gr.Dropdown(choices=["full", "quick", "data-free"], value="full",
+                    recipe = gr.Dropdown(choices=list(recipes.CHOICES), value=recipes.DEFAULT_RECIPE,
                                          elem_id="sdslim_train_recipe",
                                          label="Recipe (full: both training stages; quick: measured, no training, "
                                                "about a tenth of full's time; data-free: weights only, seconds, "

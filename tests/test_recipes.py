@@ -202,3 +202,21 @@ def test_ram_estimate_scales_the_saved_activations_of_a_real_backward():
     real = sum(saved.values()) - weights
     estimate, largest = saved_per_input(unet, ckpt.config, size)
     assert 0.9 < estimate / real < 1.2, (estimate, real)
+
+
+def test_every_front_end_offers_the_recipes_the_trainer_knows(monkeypatch):
+    """The CLI's --recipe and the ComfyUI node's combo (both kept torch-free) list recipes.CHOICES."""
+    import importlib.util
+    import os
+    import sys
+
+    from sdslim_core.train import recipes
+    train_parser = cli.build_parser()._subparsers._group_actions[0].choices["train"]
+    recipe, = (a for a in train_parser._actions if a.dest == "recipe")
+    assert tuple(recipe.choices) == recipes.RECIPES and recipe.default == recipes.DEFAULT_RECIPE
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nodes", "specs.py")
+    spec = importlib.util.spec_from_file_location("sdslim_node_specs", path)
+    specs = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, specs)          # dataclasses look their module up
+    spec.loader.exec_module(specs)
+    assert specs.RECIPES == recipes.CHOICES

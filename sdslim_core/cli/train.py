@@ -236,10 +236,7 @@ def cmd_train(args) -> int:
     work = tc.work_dir or f"{args.out}.work"
     try:
         result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
-    except CheckpointError as err:
-        print(f"sdslim train: error: {err}", file=sys.stderr)
-        return 2
-    except PlanMemoryError as err:
+    except (CheckpointError, PlanMemoryError) as err:
         print(f"sdslim train: error: {err}", file=sys.stderr)
         return 2
     except DiskFullError as err:
@@ -285,10 +282,8 @@ def _plan_ladder(args, ckpt, calib, pipe, log):
 
 def _data_free(args, ckpt, tc) -> int:
     """``--recipe data-free``: the adapter file from the weights alone."""
-    import time
     from ..train.recipes import data_free, data_free_text
-    t0 = time.perf_counter()
-    aset = data_free(ckpt, ckpt.config, tc, args.out)
-    info = {"recipe": "data-free", "out": str(args.out), "sites": len(aset.sites), "seconds": time.perf_counter() - t0}
+    aset, seconds = data_free(ckpt, ckpt.config, tc, args.out)
+    info = {"recipe": "data-free", "out": str(args.out), "sites": len(aset.sites), "seconds": seconds}
     print(json.dumps(info) if args.json else "sdslim train: " + data_free_text(aset, args.out, info["seconds"]))
     return 0

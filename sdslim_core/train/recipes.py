@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Mapping
 
 from .. import layout
@@ -26,6 +27,7 @@ from .teacher import teacher_weights
 
 RECIPES = ("data-free", "quick", "full")
 DEFAULT_RECIPE = "full"
+CHOICES = RECIPES[::-1]          # as hosts offer them: the most faithful (the default) first
 LIGHT_CALIBRATION = {"n_trajectories": 8}
 QUICK_INIT = ("obs", "act_select", "select")     # the methods that win (bench/RESULTS.md), not the PCA/SVD ones
 SETTINGS = {"data-free": {}, "quick": dict(LIGHT_CALIBRATION, alloc_anchors=1, init_methods=QUICK_INIT,
@@ -75,20 +77,21 @@ def base_metadata(weights: Mapping, cfg: layout.UNetConfig, aset: AdapterSet, te
 
 
 def data_free(unet, cfg: layout.UNetConfig | None = None, train_cfg: TrainConfig | None = None,
-              out_path=None) -> AdapterSet:
+              out_path=None) -> tuple[AdapterSet, float]:
     """The ``data-free`` recipe: adapters at the uniform ranks of ``train_cfg``'s ratio (or per-kind values) from
-    the weights alone, written to ``out_path`` (with the base fingerprint) when given; ``unet`` as for
-    :func:`~sdslim_core.train.train_adapters`."""
+    the weights alone, written to ``out_path`` (with the base fingerprint) when given, and the seconds it took;
+    ``unet`` as for :func:`~sdslim_core.train.train_adapters`."""
+    t0 = time.perf_counter()
     weights, cfg = teacher_weights(unet, cfg)
     aset = data_free_set(weights, cfg, train_cfg or TrainConfig())
     if out_path is not None:
         aset.save(out_path)
-    return aset
+    return aset, time.perf_counter() - t0
 
 
 def data_free_set(weights: Mapping, cfg: layout.UNetConfig, tc: TrainConfig) -> AdapterSet:
     """:func:`data_free` on canonical ``weights``, nothing written."""
-    from .session import fingerprint_tensors
+    from .session import teacher_fingerprint
     if tc.budget is not None or tc.start_from is not None:
         raise ValueError("the data-free recipe measures nothing, so it cannot allocate a --budget or refit --from: "
                          "give --ratio (every site at that width) or use --recipe quick")
@@ -101,8 +104,7 @@ def data_free_set(weights: Mapping, cfg: layout.UNetConfig, tc: TrainConfig) -> 
         "sdslim.train": {"recipe": "data-free", "init_method": "select",
                          "ranks": {"ratio": tc.ratio, "ff_ratio": tc.ff_ratio, "ff_rank": tc.ff_rank,
                                    "res_ratio": tc.res_ratio, "uniform": True}},
-        "sdslim.base": base_metadata(weights, cfg, aset, fingerprint_tensors(
-            (k, weights[k]) for k in sorted(weights)[::7]))}
+        "sdslim.base": base_metadata(weights, cfg, aset, teacher_fingerprint(weights))}
     return aset
 
 
@@ -150,7 +152,6 @@ class Ladder:
 def plan_ladder(session, variants: dict, data_free_cfg: TrainConfig | None = None) -> Ladder:
     """One warm-up of ``session`` (the most demanding recipe's settings), then every ``variants`` name →
     :class:`TrainConfig` priced from it, and the data-free recipe (``data_free_cfg``) timed for real."""
-    import time
     from .memory import ram_need
     from .plan import bank_size, price, warm_up, _stage2_inputs
     w = warm_up(session, _stage2_inputs(session, bank_size(session)))

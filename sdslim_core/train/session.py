@@ -39,6 +39,11 @@ def fingerprint_tensors(items) -> str:
     return h.hexdigest()[:24]
 
 
+def teacher_fingerprint(canon: Mapping) -> str:
+    """The ``fingerprint`` of a teacher's canonical weights recorded in its adapter files (every 7th tensor)."""
+    return fingerprint_tensors((k, canon[k]) for k in sorted(canon)[::7])
+
+
 def torch_dtype(name: str, default: torch.dtype) -> torch.dtype:
     """``--teacher-dtype`` and friends as a torch dtype (``auto``: ``default``)."""
     if name in ("auto", None):
@@ -87,7 +92,7 @@ class Session:
         self.placement = TeacherPlacement(teacher, cfg, self.device)
         canon_params, _, _ = layout.to_canonical(dict(teacher.state_dict()))
         self.shapes = {k: tuple(v.shape) for k, v in canon_params.items()}
-        self.teacher_fp = fingerprint_tensors((k, canon_params[k]) for k in sorted(canon_params)[::7])
+        self.teacher_fp = teacher_fingerprint(canon_params)
         del canon_params
         self.site_list = layout.sites(self.shapes)
         self.site_order = [s.name for s in self.site_list]

@@ -149,6 +149,11 @@ SAVE_GGUF = NodeSpec(
     (),
     "save_slim_gguf", output_node=True)
 
+def _adapter_dtypes() -> list:
+    from sdslim_core.io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
+    return [DEFAULT_FILE_DTYPE] + [name for name in FILE_DTYPES if name != DEFAULT_FILE_DTYPE]
+
+
 TRAIN = NodeSpec(
     "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
     "Distils slim adapters for this MODEL and saves them to models/sdslim (resumable: run again to continue).",
@@ -173,7 +178,10 @@ TRAIN = NodeSpec(
                 "(seconds, uniform ranks at 'ratio', the lowest fidelity; no conditioning needed)"),
      In("start_from", "COMBO", options=lambda: [NO_START] + _adapter_files(), optional=True,
         tooltip="start from adapters made for the model this MODEL derives from (a fine-tune, a merge): their "
-                "sites and ranks, refit on this MODEL with a short stage 2 ('steps')")),
+                "sites and ranks, refit on this MODEL with a short stage 2 ('steps')"),
+     In("adapter_dtype", "COMBO", options=_adapter_dtypes, optional=True,
+        tooltip="storage dtype of the adapter file: fp16 (half the bytes of fp32, the same folded model to a "
+                "cosine of 0.9999), bf16, or fp32; training itself runs in fp32")),
     (Out("STRING", "report"),),
     "train", output_node=True)
 

@@ -1,6 +1,7 @@
 """``sdslim train``: parser and handler (heavy imports inside the handler).
 
-    sdslim train --ckpt PATH --out ADAPTERS [--recipe data-free|quick|full] [--from BASE_ADAPTERS]
+    sdslim train --ckpt PATH --out ADAPTERS [--adapter-dtype fp16|bf16|fp32] [--recipe data-free|quick|full]
+                 [--from BASE_ADAPTERS]
                  [--ratio 0.5 | --ff-rank N --res-ratio R | --budget X]
                  [--steps N] [--stage1-steps N --stage2-steps N] [--prompts FILE | --prompt TEXT ...]
                  [--negative TEXT] [--clip-skip N] [--tokenizer DIR] [--embeddings FILE] [--latents DIR] [--images DIR] [--device D] [--resume] [--work-dir DIR]
@@ -17,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from .adapters import add_dtype_argument
 from .encode import add_text_arguments, prompt_encoder, read_prompts
 
 
@@ -25,6 +27,7 @@ def register(subparsers):
                                             "itself, block-local stage, Theseus stage)")
     p.add_argument("--ckpt", required=True, help="teacher checkpoint (.safetensors single file or diffusers folder)")
     p.add_argument("--out", required=True, help="adapter file to write (.safetensors)")
+    add_dtype_argument(p)
     p.add_argument("--recipe", choices=("data-free", "quick", "full"), default="full",   # train/recipes.py RECIPES
                    help="data-free: from the weights alone, seconds, uniform ranks, the least faithful; quick: light "
                         "calibration, rank allocation and initialisation, no training stages; full (default): "
@@ -180,6 +183,8 @@ def config_from_args(args, pipe=None, log=None):
         v = getattr(args, attr, None)
         if v is not None:
             kw[name] = v
+    if getattr(args, "adapter_dtype", None):
+        kw["adapter_dtype"] = args.adapter_dtype
     if getattr(args, "uniform", False):
         kw["uniform"] = True
     if getattr(args, "budget_by", None):

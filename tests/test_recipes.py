@@ -155,7 +155,8 @@ def test_plan_only_prices_the_ladder_with_warm_up_progress_lines(tmp_path, capsy
     assert [p["name"] for p in quick["phases"]] == ["calibration", "capture", "rank curves", "init"]
     assert full["phases"][-1]["name"] == "stage 2" and quick["eta_s"] < full["eta_s"]
     assert quick["phases"][0]["units"] == 8 and full["phases"][0]["units"] == 16      # the light calibration
-    assert ladder["data-free"]["seconds"] < quick["eta_s"] and quick["ram_bytes"] > 0
+    assert ladder["data-free"].keys() == {"seconds", "ram_bytes"} and ladder["data-free"]["ram_bytes"] > 0
+    assert quick["ram_bytes"] > 0          # (their times side by side: bench/RESULTS.md, Recipes)
     assert sorted(p.name for p in tmp_path.iterdir()) == []                       # nothing written
 
 

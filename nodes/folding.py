@@ -288,7 +288,7 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     aset.check_model(shapes, family)
 
     site_tensors = site_tensors or (lambda s: aset.sites[s])
-    device = model.load_device if getattr(model.load_device, "type", "cpu") == "cuda" else torch.device("cpu")
+    device = torch.device(model.load_device)     # folded where ComfyUI computes patches; the adapters follow
     used: set = set()
     get, peek = merged_getter(kp, device, used), merged_getter(kp, device, set())
     meter = distance_meter(aset)

@@ -15,8 +15,7 @@ from sdslim_core.modules.unet import build_diffusers_unet
 from sdslim_core.train import calibration as cal, checkpoint, ranks as ranks_mod
 from sdslim_core.train.config import TrainConfig, parse_budget
 from sdslim_core.train.init import SiteInit
-from sdslim_core.train.sites import (FeatureRecorder, SiteData, build_student, gated_tree, make_site_adapter,
-                                     set_gates, site_module)
+from sdslim_core.train.sites import FeatureRecorder, SiteData, gated_tree, set_gates, site_module
 
 NULL = __import__("contextlib").nullcontext
 
@@ -80,9 +79,8 @@ def test_site_student_equals_the_site_inside_attach_train_adapters(unet64):
     for site in ("input_blocks.4.1.transformer_blocks.0.ff", "output_blocks.3.0", "middle_block.0"):
         kind = aset.kind(site)
         teacher_site = site_module(unet64, site, cfg)
-        adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
-                                    teacher_site.norm2.eps if kind == "res" else 1e-5).double()
-        student = build_student(teacher_site, kind, "diffusers", adapter)
+        tensors = {k: v.double() for k, v in aset.sites[site].items()}
+        student, _ = swap.train_site(teacher_site, site, kind, "diffusers", tensors, aset.groups(site))
         other = site_module(tree, site, cfg)
         with torch.no_grad():
             if kind == "ff":

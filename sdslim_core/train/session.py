@@ -145,11 +145,6 @@ class Session:
     def free_device_memory(self):
         free_device_memory(self.device)
 
-    def norm_eps(self, site: str) -> float:
-        if self.site_by_name[site].kind != "res":
-            return 1e-5
-        return self.placement.site(site).get_submodule(layout.RES_LAYERS[self.naming]["norm2"]).eps
-
     def site_data(self, store: cal.ActivationStore, site: str, teacher_site: nn.Module) -> SiteData:
         """``site``'s captured fit/eval data from ``store``, batched for its kind."""
         kind = self.site_by_name[site].kind

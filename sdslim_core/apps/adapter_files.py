@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import devices
 from ..io import gguf
 from ..io.adapters import AdapterError, AdapterSet
 from ..io.slim_checkpoint import find_adapter_file, read_metadata
@@ -24,8 +25,10 @@ def find_for_slim(slim_path, folders=()) -> Path:
                              meta.get("sdslim.family"), folders)
 
 
-def checkpoint_distance(ckpt, adapters) -> fingerprint.Distance:
-    """How far ``ckpt``'s weights at the adapter file's sites are from the base it was trained on."""
+def checkpoint_distance(ckpt, adapters, device: str = "cpu") -> fingerprint.Distance:
+    """How far ``ckpt``'s weights at the adapter file's sites are from the base it was trained on (sketched on
+    ``device``)."""
+    dev = devices.resolve(device)
     aset = AdapterSet.load(adapters, lazy=True)
     src = open_checkpoint(ckpt)
     aset.check_model({k: tuple(v) for k, v in src.weights.shapes().items()}, family=src.config.family)
@@ -37,7 +40,7 @@ def checkpoint_distance(ckpt, adapters) -> fingerprint.Distance:
     for site in aset.sites:
         for key in fingerprint.site_keys(site, aset.kind(site)):
             if key in src.weights.file_keys:
-                meter.add(site, key, src.weights[key])
+                meter.add(site, key, src.weights[key].to(dev))
     return meter.result()
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import layout
+from .. import devices, layout
 from ..io import gguf
 from ..io.adapter_lookup import HashIndex
 from ..io.adapters import AdapterSet
@@ -284,7 +284,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     pending: dict[str, torch.Tensor] = {}
     site_cache: dict[str, dict] = {}                  # the site being folded: its adapter tensors (read once)
     done_sites: set[str] = set()
-    dev = torch.device(device)
+    dev = devices.resolve(device)
     touched = merger.touched()
 
     def base(ckey: str) -> torch.Tensor:
@@ -296,8 +296,8 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         if ckey not in canon_shapes:
             return None
         t = base(ckey)
-        t = merger.merge(ckey, t) if ckey in touched else t
-        return t.to(dev, torch.float32) if wide and t.dtype != torch.float64 else t.to(dev)
+        t = t.to(dev, torch.float32) if wide and t.dtype != torch.float64 else t.to(dev)
+        return merger.merge(ckey, t) if ckey in touched else t      # merged on the device: the LoRA follows
 
     def adapter_tensors(site: str) -> dict:
         if site not in site_cache:
@@ -312,8 +312,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
             if ckey not in read:
                 read[ckey] = merged_or_base(ckey)
             return read[ckey]
-        tensors = {k: v.to(dev) for k, v in adapter_tensors(site).items()}
-        folded = fold.fold_site(site, aset.kind(site), get, tensors)
+        folded = fold.fold_site(site, aset.kind(site), get, adapter_tensors(site))   # the adapter follows get's
         if meter is not None:
             for ckey in fold.site_keys(site, aset.kind(site)):
                 meter.add(site, ckey, get(ckey))
@@ -416,7 +415,7 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
         report, full_shapes, n_sites = MergeReport(), canonical_shapes(cfg), len(metadata.get("sdslim.ranks") or {})
     reader = StreamReader(ckpt)
     inverse = {f: k for k, f in file_keys.items()}
-    dev = torch.device(device)
+    dev = devices.resolve(device)
 
     def produce(fkey: str) -> torch.Tensor:
         t = reader[fkey]

@@ -17,7 +17,7 @@ def _find(args) -> int:
 
 def _distance(args) -> int:
     from ..apps.adapter_files import checkpoint_distance
-    d = checkpoint_distance(args.ckpt, args.adapters)
+    d = checkpoint_distance(args.ckpt, args.adapters, args.device)
     if args.json:
         print(json.dumps(d.to_dict()))
         return 0
@@ -56,6 +56,7 @@ def register(sub):
                                     "the fold reads); nothing is written.")
     c.add_argument("--ckpt", required=True, help="the checkpoint to slim")
     c.add_argument("--adapters", required=True, help="the adapter file")
+    c.add_argument("--device", default="cpu", help="where the sketches are computed (e.g. cuda); default cpu")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_distance)
     c = cmds.add_parser("fingerprint", help="add the base fingerprint of its base checkpoint to an adapter file",

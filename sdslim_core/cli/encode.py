@@ -35,12 +35,9 @@ def add_text_arguments(p, negative_help="negative prompt: the unconditional bran
 def prompt_encoder(ckpt_path, family: str, args):
     """The checkpoint's :class:`~sdslim_core.text.conditioning.PromptEncoder` on ``args.device`` (``auto``: CUDA
     when there is one)."""
-    import torch
-
+    from .. import devices
     from ..text.conditioning import PromptEncoder
-    device = getattr(args, "device", None) or "cpu"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = devices.resolve(getattr(args, "device", None) or "cpu")
     return PromptEncoder(ckpt_path, family, tokenizer=args.tokenizer, clip_skip=args.clip_skip, device=device)
 
 

@@ -10,7 +10,8 @@ from ..io.lora_files import parse_lora_arg
 
 def run(args) -> int:
     path, strength = parse_lora_arg(args.lora)
-    result = convert_lora_for_slim(args.slim, path, args.out, strength, args.adapters, DTYPES.get(args.dtype))
+    result = convert_lora_for_slim(args.slim, path, args.out, strength, args.adapters, DTYPES.get(args.dtype),
+                                   args.device)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -42,5 +43,6 @@ def register(sub):
                                       "(checked against its recorded sha256)")
     c.add_argument("--dtype", choices=("same",) + tuple(DTYPES), default="same",
                    help="dtype of the written tensors (default: the LoRA's own)")
+    c.add_argument("--device", default="cpu", help="where the conversion computes (e.g. cuda); default cpu")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=run)

@@ -103,14 +103,15 @@ def load_file(path) -> tuple[dict, dict]:
 
 def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mapping | None = None) -> Path:
     """Write a safetensors file via a temporary file in the same folder and ``os.replace``
-    (:func:`~sdslim_core.io.files.atomic_path`: a full disk raises its ``DiskFullError``)."""
+    (:func:`~sdslim_core.io.files.atomic_path`: a full disk raises its ``DiskFullError``); tensors on a GPU are
+    copied to the CPU on the way."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
     path = Path(path)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
     with atomic_path(path) as tmp:
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
         except SafetensorError as err:      # its I/O failures end in "(os error N)": raise that OSError
             code = re.search(r"\(os error (\d+)\)", str(err))
             if code is None:

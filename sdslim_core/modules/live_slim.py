@@ -245,9 +245,7 @@ class LiveSlim:
                     raise SwapError(f"{path} has no {name} for a LoRA delta to go to")
                 dev = torch.device(compute_device) if compute_device is not None else param.device
                 pristine = self._pristine.setdefault((path, name), param.detach().to("cpu", copy=True))
-                entries = [(replace(m, tensors={k: v.to(dev) for k, v in m.tensors.items()}), s, p)
-                           for m, s, p in entries]
-                param.copy_(apply_deltas(pristine.to(dev), entries, out_dtype=param.dtype))
+                param.copy_(apply_deltas(pristine.to(dev), entries, out_dtype=param.dtype))   # the LoRAs follow
         self.lora_key = key
         self.lora_report = LoraReport(len(modules), len(plan), forms, False, time.perf_counter() - t0)
         return self.lora_report

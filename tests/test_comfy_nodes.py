@@ -590,10 +590,6 @@ def test_report_sections(pack, model):
     assert lines[1].startswith("CPU only") and "RAM total" in lines[2]
     assert pack.report.loaded_models_lines(mm) == ["loaded models:", "  none"]
     assert files.format_bytes(3 * 2 ** 30) == "3.00 GiB" and files.format_bytes(5 * 2 ** 20) == "5.0 MiB"
-    sites = {s.name: s.width for s in layout.sites(weights)}
-    ranks = slim.model.sdslim_info.ranks
-    assert pack.report.slim_ratio(slim) == pytest.approx(sum(r / sites[s] for s, r in ranks.items()) / len(ranks))
-    assert pack.report.slim_ratio(patcher) == 0.0
 
 
 def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
@@ -606,13 +602,34 @@ def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
     for m in (patcher, slim):
         m.model_dtype = lambda: torch.float16                      # as ComfyUI keeps SD on a GPU
     jobs = pack.report.estimate_jobs([("model", slim), ("model_b", patcher)], 64, 64)
-    assert [(n, s.precision, s.slim_ratio, base) for n, s, base in jobs] == [
-        ("sd15 original (float16)", "full-bf16", 0.0, "sd15 original (float16)"),
-        (f"model slim {round(pack.report.slim_ratio(slim), 3):g}", "full-bf16", round(pack.report.slim_ratio(slim), 3),
-         "sd15 original (float16)")]
+    n_sites = len(slim.model.sdslim_info.ranks)
+    assert [(n, s.precision, bool(s.slim_ranks), base) for n, s, base in jobs] == [
+        ("sd15 original (float16)", "full-bf16", False, "sd15 original (float16)"),
+        (f"model slim ({n_sites} sites at its ranks)", "full-bf16", True, "sd15 original (float16)")]
     text = "\n".join(pack.report.estimate_lines(jobs[:1], 64, 64, 1))
     assert "2-byte weights" in text and "adamw" not in text and "fit:" not in text, text
-    assert "frozen 1.60" in text, text                             # SD1.5's 859.5 M weights × 2 bytes
+    n_params = sum(v.numel() for v in weights.values())
+    assert f"{n_params:,} UNet parameters" in text, text           # this MODEL's UNet, not a published one
+
+
+def test_vram_estimate_builds_the_unet_each_model_really_has(pack, model):
+    """The estimate of a slim MODEL runs the UNet of its own ranks, site by site (not an average ratio): the UNet
+    the estimator builds from the job has exactly the slim MODEL's shapes, and the original's job the original's."""
+    from sdslim_core.vram import harness
+    patcher, weights = model
+    aset = _aset(weights, 0.5)
+    sites = list(aset.sites)
+    aset.sites[sites[0]] = {k: v[: max(1, v.shape[0] // 3)] if k != "up" else v[:, : max(1, v.shape[1] // 3)]
+                            for k, v in aset.sites[sites[0]].items()} if aset.kind(sites[0]) == "ff" else \
+        aset.sites[sites[0]]                        # uneven ranks: an average ratio could not give these shapes
+    slim = pack.folding.slim_patcher(patcher, aset)
+    jobs = pack.report.estimate_jobs([("model", slim)], 64, 64)
+    assert len(jobs) == 2
+    for (_, settings, _), m in zip(jobs, (patcher, slim)):
+        with torch.device("meta"):
+            built = harness.build_model(settings)
+        built_shapes = {k: tuple(v.shape) for k, v in layout.to_canonical(built.state_dict())[0].items()}
+        assert built_shapes == {k: tuple(v.shape) for k, v in m.model.diffusion_model.state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------------- GGUF

@@ -18,7 +18,6 @@ import math
 import os
 
 import comfy.model_management
-import comfy.sd
 import comfy.utils
 import folder_paths
 

@@ -790,3 +790,58 @@ def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
     assert refit.ranks() == got.ranks() and refit.metadata["sdslim.train"]["steps"] == {"stage1_per_site": 0,
                                                                                        "stage2": 2}
     assert "adapters written to" in text
+
+
+# --------------------------------------------------------------------------------------- example workflows
+
+LORA_LOADERS = {"LoraLoader", "LoraLoaderModelOnly"}
+
+
+def _model_chain(graph: dict, node_id: str) -> list:
+    """Class types on the MODEL path into ``node_id``, from it back to the loader."""
+    chain = []
+    while node_id is not None:
+        node = graph[node_id]
+        chain.append(node["class_type"])
+        link = node["inputs"].get("model")
+        node_id = link[0] if isinstance(link, list) else None
+    return chain
+
+
+@pytest.mark.parametrize("save, load, suffix, folder, name_input", [
+    ("save_slim_checkpoint", "slim_checkpoint_lora", ".safetensors", "checkpoints", "ckpt_name"),
+    ("save_slim_gguf", "slim_gguf_lora", ".gguf", "diffusion_models", "unet_name")])
+def test_each_save_workflow_writes_the_file_its_load_workflow_loads(pack, tmp_path, save, load, suffix, folder,
+                                                                    name_input):
+    """The pair in sequence, as docs/comfyui.md tells it: the file the save workflow's node writes (its own target
+    rule, a real slim file written there) is the one the load workflow names (the Load node's own list and
+    lookup, subfolder included), and the LoRA is applied once over the two."""
+    import json
+
+    from sdslim_core import tiny
+    from sdslim_core.apps.slim import slim_checkpoint
+    if suffix == ".gguf":
+        pytest.importorskip("gguf")
+    saving = importlib.import_module(pack.specs.__package__ + ".saving")
+    api = os.path.join(ROOT, "example_workflows", "api")
+    save_graph, load_graph = (json.load(open(os.path.join(api, f"{n}.json"))) for n in (save, load))
+    (save_id,) = [k for k, v in save_graph.items() if v["class_type"].startswith("SdslimSave")]
+    (load_id,) = [k for k, v in load_graph.items() if v["class_type"].startswith("SdslimLoad")]
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    root = tmp_path / folder
+    fp.folder_names_and_paths[folder] = ([str(root)], {".safetensors", ".gguf"} if suffix == ".gguf" else
+                                         {".safetensors"})
+    inputs = save_graph[save_id]["inputs"]
+    assert inputs.get("destination", "checkpoints") == "checkpoints"
+    path = saving.target(str(root), inputs["filename"], suffix, inputs["overwrite"])
+    slim_checkpoint(tiny.DEFAULT_PATH, tiny.DEFAULT_PATH.parent / "tiny_sd15_slim_half.safetensors", path,
+                    quant=inputs["quant"] if suffix == ".gguf" else None)
+    name = load_graph[load_id]["inputs"][name_input]
+    listed = pack.paths.slim_ggufs(fp) if suffix == ".gguf" else pack.paths.slim_checkpoints(fp)
+    assert listed == [name], (listed, name)
+    found = pack.paths.resolve_gguf(fp, name) if suffix == ".gguf" else fp.get_full_path(folder, name)
+    assert os.path.samefile(found, path)
+    (sampler,) = [k for k, v in load_graph.items() if v["class_type"] == "KSampler"]
+    chain = _model_chain(load_graph, sampler) + _model_chain(save_graph, save_id)
+    assert chain[-1] == "CheckpointLoaderSimple" and len([c for c in chain if c in LORA_LOADERS]) == 1, chain

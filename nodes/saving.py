@@ -52,7 +52,7 @@ def target(root: str, filename: str, suffix: str, overwrite: bool) -> str:
 
 
 def _info(model):
-    if getattr(model.model.model_config, "sdslim_tiny", False):
+    if getattr(getattr(model.model, "model_config", None), "sdslim_tiny", False):
         raise folding.SlimError(TINY_REFUSAL)
     info = getattr(model.model, "sdslim_info", None)
     if info is None or not info.record:
@@ -195,7 +195,7 @@ def slim_record(model, aset, origin: dict) -> dict:
     sha256, sites and strength)."""
     from sdslim_core.io.slim_checkpoint import slim_metadata
     info = model.model.sdslim_info
-    heads = {k: v for k, v in (getattr(model.model.model_config, "unet_config", None) or {}).items()
+    heads = {k: v for k, v in (getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}).items()
              if k in ("num_heads", "num_head_channels") and isinstance(v, int) and v > 0}
     cfg = layout.config_from_state_dict(info.full_shapes, heads)
     return slim_metadata(cfg, aset, origin, [])

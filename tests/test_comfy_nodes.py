@@ -845,3 +845,51 @@ def test_each_save_workflow_writes_the_file_its_load_workflow_loads(pack, tmp_pa
     (sampler,) = [k for k, v in load_graph.items() if v["class_type"] == "KSampler"]
     chain = _model_chain(load_graph, sampler) + _model_chain(save_graph, save_id)
     assert chain[-1] == "CheckpointLoaderSimple" and len([c for c in chain if c in LORA_LOADERS]) == 1, chain
+
+
+def test_node_errors_are_one_sdslim_error_with_the_cores_message(pack, model, tmp_path):
+    """What a user can trigger reaches ComfyUI as ``sdslim.SlimError`` (the name its error dialog shows), with the
+    core's message; an existing file is refused in the CLI's words, naming the node's overwrite input."""
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    for name in ("sdslim", "checkpoints"):
+        (tmp_path / name).mkdir()
+        fp.folder_names_and_paths[name] = ([str(tmp_path / name)], {".safetensors"})
+    patcher, weights = model
+    _aset(weights, 0.5).save(tmp_path / "sdslim" / "a.safetensors")
+    with pytest.raises(ValueError) as missing:
+        pack.specs.SLIM.run(model=patcher, adapters="gone.safetensors", strength=1.0, enable=True)
+    cls = type(missing.value)
+    assert f"{cls.__module__}.{cls.__qualname__}" == "sdslim.SlimError"
+    assert str(missing.value).startswith("sdslim: adapter file 'gone.safetensors' not found in models/sdslim")
+    (slim,) = pack.specs.SLIM.run(model=patcher, adapters="a.safetensors", strength=1.0, enable=True).values
+    existing = tmp_path / "checkpoints" / "slim" / "mine.safetensors"
+    existing.parent.mkdir()
+    existing.write_bytes(b"mine")
+    with pytest.raises(ValueError) as refused:
+        pack.specs.SAVE_SLIM.run(model=slim, filename="slim/mine", destination="checkpoints", overwrite=False,
+                                 embed_adapters=False)
+    assert type(refused.value) is cls
+    assert str(refused.value) == "sdslim: " + files.OutputExists(existing).message("overwrite")
+    assert existing.read_bytes() == b"mine"
+    with pytest.raises(ValueError, match="dtype 'fp64' is not one of source, fp16"):
+        pack.specs.SAVE_SLIM.run(model=slim, filename="slim/other", destination="checkpoints", overwrite=False,
+                                 embed_adapters=False, dtype="fp64")
+
+
+def test_save_slim_checkpoint_stores_the_dtype_the_source_was_stored_in(pack):
+    """The source's dtype is read off the weights ComfyUI holds (an fp16 file loaded as float32 is exactly fp16),
+    and the node's dtype input maps to the file's dtypes, fp16 where the source's is unknown."""
+    saving = importlib.import_module(pack.specs.__package__ + ".saving")
+    g = torch.Generator().manual_seed(0)
+    trained = [torch.randn(64, 32, generator=g), torch.randn(8, 4, 3, 3, generator=g), torch.randn(64, generator=g)]
+    source_dtype = pack.folding.source_dtype
+    assert source_dtype(trained) is None
+    assert source_dtype([t.half().float() for t in trained]) == torch.float16
+    assert source_dtype([(t * 1e-6).bfloat16().float() for t in trained]) == torch.bfloat16    # not exact in fp16
+    assert source_dtype([t.half() for t in trained]) == torch.float16                           # held as stored
+    assert source_dtype([t.to(torch.float8_e4m3fn) for t in trained[:2]]) == torch.float8_e4m3fn
+    f16, bf16, f8 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
+    assert [saving.storage_dtypes(choice, src) for choice, src in [
+        ("source", None), ("source", bf16), ("source", f8), ("fp16", bf16), ("bf16", None), ("fp8_e4m3fn", bf16),
+        ("as held", f16)]] == [(f16, f16), (bf16, bf16), (f8, f16), (f16, f16), (bf16, bf16), (f8, f16), (None, None)]

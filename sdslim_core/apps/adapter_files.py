@@ -44,12 +44,12 @@ def checkpoint_distance(ckpt, adapters, device: str = "cpu") -> fingerprint.Dist
     return meter.result()
 
 
-def add_fingerprint(adapters, base_ckpt, out) -> Path:
+def add_fingerprint(adapters, base_ckpt, out, overwrite: bool = False) -> Path:
     """A copy of the adapter file ``adapters`` at ``out`` with the base fingerprint of ``base_ckpt`` (the model it
     was trained on) in its ``sdslim.base`` metadata; tensors unchanged. The input is never rewritten (its sha256 is
-    what slim files made with it record)."""
+    what slim files made with it record); an existing ``out`` is replaced only with ``overwrite``."""
     out = Path(out)
-    check_output_path(out, adapters, base_ckpt, what="the adapter file")
+    check_output_path(out, adapters, base_ckpt, what="the adapter file", overwrite=overwrite)
     aset = AdapterSet.load(adapters, lazy=True)
     src = open_checkpoint(base_ckpt)
     aset.check_model({k: tuple(v) for k, v in src.weights.shapes().items()}, family=src.config.family)
@@ -58,4 +58,4 @@ def add_fingerprint(adapters, base_ckpt, out) -> Path:
     tensors, meta = load_file(adapters)
     base = dict(aset.metadata.get("sdslim.base") or {})
     base.update(family=src.config.family, sketches=sketches, checkpoint=Path(str(base_ckpt)).name)
-    return save_file_atomic(tensors, out, {**meta, "sdslim.base": base})
+    return save_file_atomic(tensors, out, {**meta, "sdslim.base": base}, overwrite=overwrite)

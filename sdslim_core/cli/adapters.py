@@ -33,7 +33,7 @@ def _distance(args) -> int:
 
 def _fingerprint(args) -> int:
     from ..apps.adapter_files import add_fingerprint
-    out = add_fingerprint(args.adapters, args.ckpt, args.out)
+    out = add_fingerprint(args.adapters, args.ckpt, args.out, overwrite=args.overwrite)
     print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}: {args.adapters} with the base fingerprint "
           f"of {args.ckpt} (tensors unchanged)", file=sys.stdout if args.json else sys.stderr)
     return 0
@@ -66,5 +66,6 @@ def register(sub):
     c.add_argument("adapters", help="the adapter file")
     c.add_argument("--ckpt", required=True, help="the base checkpoint the adapters were trained on")
     c.add_argument("--out", required=True, help="the new adapter file (.safetensors)")
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_fingerprint)

@@ -25,6 +25,8 @@ def register(subparsers):
                                             "itself, block-local stage, Theseus stage)")
     p.add_argument("--ckpt", required=True, help="teacher checkpoint (.safetensors single file or diffusers folder)")
     p.add_argument("--out", required=True, help="adapter file to write (.safetensors)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it exists (default: refuse, before training starts and when it ends)")
     p.add_argument("--recipe", choices=("data-free", "quick", "full"), default="full",   # train/recipes.py RECIPES
                    help="data-free: from the weights alone, seconds, uniform ranks, the least faithful; quick: light "
                         "calibration, rank allocation and initialisation, no training stages; full (default): "
@@ -210,13 +212,15 @@ def config_from_args(args, pipe=None, log=None):
 
 
 def cmd_train(args) -> int:
-    from ..io.files import DiskFullError
+    from ..io.files import DiskFullError, OutputExists, refuse_existing
     from ..modules.unet import open_checkpoint
     from ..train.checkpoint import CheckpointError
     from ..train.run import train_adapters
 
     from ..train.progress import write as log
     from ..train.plan import PlanMemoryError
+    if not args.plan_only:
+        refuse_existing(args.out, args.overwrite)      # now, not after hours of training (and again at the end)
     ckpt = open_checkpoint(args.ckpt)
     pipe = _tiny_pipeline(ckpt)
     tc = config_from_args(args, pipe, log)
@@ -235,13 +239,17 @@ def cmd_train(args) -> int:
     calib = build_calibration(args, ckpt, pipe)
     work = tc.work_dir or f"{args.out}.work"
     try:
-        result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume)
+        result = train_adapters(ckpt, ckpt.config, calib, tc, args.out, resume=args.resume, overwrite=args.overwrite)
     except (CheckpointError, PlanMemoryError) as err:
         print(f"sdslim train: error: {err}", file=sys.stderr)
         return 2
     except DiskFullError as err:
         print(f"sdslim train: error: {err}; progress is kept in {work}: free some space and run the same command "
               "with --resume to continue", file=sys.stderr)
+        return 2
+    except OutputExists as err:
+        print(f"sdslim train: error: {err}; progress is kept in {work}: run the same command with --resume "
+              "(and --overwrite, or after moving that file) to write it", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sdslim train: interrupted; progress is kept in {work}: run the same command with --resume to "
@@ -283,7 +291,7 @@ def _plan_ladder(args, ckpt, calib, pipe, log):
 def _data_free(args, ckpt, tc) -> int:
     """``--recipe data-free``: the adapter file from the weights alone."""
     from ..train.recipes import data_free, data_free_text
-    aset, seconds = data_free(ckpt, ckpt.config, tc, args.out)
+    aset, seconds = data_free(ckpt, ckpt.config, tc, args.out, overwrite=args.overwrite)
     info = {"recipe": "data-free", "out": str(args.out), "sites": len(aset.sites), "seconds": seconds}
     print(json.dumps(info) if args.json else "sdslim train: " + data_free_text(aset, args.out, info["seconds"]))
     return 0

@@ -115,3 +115,111 @@ def test_a_training_run_reaches_every_phase_on_the_device(trained_on_device):
     assert all(torch.isfinite(t).all() and t.device.type == "cpu" for s in result.adapters.sites.values()
                for t in s.values())
     assert AdapterSet.load(out).ranks() == result.adapters.ranks()
+
+
+# ------------------------------------------------------------------------------------ the commands with --device
+
+HALF = tiny.ASSETS / "tiny_sd15_slim_half.safetensors"          # the shipped demo adapter file (float32)
+
+
+def _cli(*args) -> str:
+    """Run ``sdslim ARGS`` in this process; its stdout (``--json``)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in args])
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
+
+
+def test_slim_lora_convert_and_distance_on_a_device_write_what_the_cpu_writes(tmp_path):
+    """Guards sdslim slim (merge + fold on the device), lora convert and adapters distance with --device."""
+    from sdslim_core.io.tensors import load_file
+    outputs = {}
+    for name in ("cpu", "device"):
+        d = tmp_path / name
+        d.mkdir()
+        with emulated_device() as dev:
+            device = dev if name == "device" else "cpu"
+            _cli("slim", "--ckpt", TINY, "--adapters", HALF, "--lora", f"{tiny.LORA_PATH}:0.8", "--out",
+                 d / "slim.safetensors", "--device", device)
+            _cli("lora", "convert", "--slim", d / "slim.safetensors", "--lora", tiny.LORA_PATH, "--adapters", HALF,
+                 "--out", d / "lora.safetensors", "--device", device)
+            distance = json.loads(_cli("adapters", "distance", "--ckpt", TINY, "--adapters", HALF, "--device",
+                                       device, "--json"))
+        outputs[name] = {f: load_file(d / f)[0] for f in ("slim.safetensors", "lora.safetensors")}, distance
+    (files_cpu, d_cpu), (files_dev, d_dev) = outputs["cpu"], outputs["device"]
+    for f, tensors in files_cpu.items():
+        assert tensors.keys() == files_dev[f].keys()
+        for k, v in tensors.items():
+            torch.testing.assert_close(files_dev[f][k], v, rtol=1e-6, atol=1e-7, msg=f"{f}: {k}")
+    assert d_dev["overall"] == pytest.approx(d_cpu["overall"], abs=1e-9)
+
+
+def test_eval_on_a_device_measures_what_the_cpu_measures(tmp_path):
+    """Guards sdslim eval --device (teacher, slim model, LoRA and the storage alternatives on the device)."""
+    rows = {}
+    for name in ("cpu", "device"):
+        with emulated_device() as dev:
+            rows[name] = json.loads(_cli("eval", "--ckpt", TINY, "--adapters", HALF, "--lora", tiny.LORA_PATH,
+                                         "--seeds", "1", "--steps", "2", "--compare", "fp8,q8_0", "--no-png",
+                                         "--device", dev if name == "device" else "cpu", "--json"))
+    cpu, got = rows["cpu"], rows["device"]
+    assert got.keys() == cpu.keys()
+    assert got["latent_psnr_db"]["mean"] == pytest.approx(cpu["latent_psnr_db"]["mean"], abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def micro_ckpt(tmp_path_factory):
+    """The micro teacher as an LDM single-file checkpoint (UNet only: calibration is unconditional)."""
+    from sdslim_core.io.tensors import save_file_atomic
+    path = tmp_path_factory.mktemp("micro") / "micro.safetensors"
+    canon = layout.to_canonical(_teacher().state_dict())[0]
+    return save_file_atomic({layout.CHECKPOINT_PREFIX + k: v for k, v in canon.items()}, path)
+
+
+def test_the_recipes_plan_and_refit_run_on_a_device(micro_ckpt, tmp_path):
+    """Guards the plan's warm-up (train/plan.py _stage2_step: the GPU run's --plan-only crash), data-free, quick and
+    the --from refit with --device."""
+    small = ["--trajectories", "2", "--sample-steps", "2", "--latent-size", "8", "--no-vram-estimate", "--no-progress"]
+    with emulated_device() as dev:
+        plan = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "p.safetensors", *small,
+                               "--plan-only", "--device", dev, "--json"))
+        assert plan["recipes"]["full"]["eta_s"] > 0 and not (tmp_path / "p.safetensors").exists()
+        _cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "free.safetensors", "--recipe", "data-free",
+             "--device", dev, "--no-progress")
+        quick = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "quick.safetensors", "--recipe",
+                                "quick", *small, "--no-plan", "--device", dev, "--json"))
+        refit = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "refit.safetensors", "--from",
+                                tmp_path / "quick.safetensors", *small, "--stage2-steps", "2", "--no-plan",
+                                "--device", dev, "--json"))
+    assert quick["budget"] and refit["steps"] == {"stage1_per_site": 0, "stage2": 2}
+    for f in ("free", "quick", "refit"):
+        aset = AdapterSet.load(tmp_path / f"{f}.safetensors")
+        assert all(torch.isfinite(t).all() for s in aset.sites.values() for t in s.values())
+
+
+@pytest.mark.parametrize("device, says", [
+    ("cuda", "sees no CUDA GPU; use --device cpu"),
+    ("mps", "MPS is not available"),
+    ("cuda:nope", "not a torch device"),
+])
+def test_a_device_this_torch_cannot_use_is_refused_in_one_sentence_before_any_work(tmp_path, capsys, device, says):
+    if device == "cuda" and torch.cuda.is_available() or device == "mps" and torch.backends.mps.is_available():
+        pytest.skip(f"{device} is available here")
+    for args in (["train", "--ckpt", TINY, "--out", tmp_path / "a.safetensors", "--recipe", "data-free"],
+                 ["slim", "--ckpt", TINY, "--adapters", HALF, "--out", tmp_path / "s.safetensors"],
+                 ["eval", "--ckpt", TINY, "--adapters", HALF, "--no-png"]):
+        assert cli.main([str(a) for a in args] + ["--device", device]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and "Traceback" not in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_mps_is_refused_for_the_float64_commands_and_taken_for_the_fold(monkeypatch):
+    from sdslim_core import devices
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    with pytest.raises(devices.DeviceError, match="float64, which Apple's MPS does not support"):
+        devices.resolve("mps", float64=True)
+    assert devices.resolve("mps") == torch.device("mps")

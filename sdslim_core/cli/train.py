@@ -212,6 +212,7 @@ def config_from_args(args, pipe=None, log=None):
 
 
 def cmd_train(args) -> int:
+    from .. import devices
     from ..io.files import DiskFullError, OutputExists, refuse_existing
     from ..modules.unet import open_checkpoint
     from ..train.checkpoint import CheckpointError
@@ -219,6 +220,7 @@ def cmd_train(args) -> int:
 
     from ..train.progress import write as log
     from ..train.plan import PlanMemoryError
+    devices.resolve(args.device, float64=True)         # a device this torch cannot use: said before any work
     if not args.plan_only:
         refuse_existing(args.out, args.overwrite)      # now, not after hours of training (and again at the end)
     ckpt = open_checkpoint(args.ckpt)

@@ -313,7 +313,9 @@ def _sampling(r) -> list:
              f"Includes: {s['includes']}. Predicted = the estimator's reserve (its GGUF rows kept quantised, as "
              f"ComfyUI-GGUF runs them) + context {context:.2f} GiB ({source}).", ""]
     lo = s.get("loader") or {}
-    if lo:
+    if lo.get("error"):
+        lines += [f"sdslim's own GGUF loader: not checked ({lo['error']})", ""]
+    elif lo:
         lines += [f"sdslim's own GGUF loader (`load_gguf_unet`, a Q8_0 file read back): parameters "
                   f"{', '.join(lo['param_dtypes'])}, {lo['held_bytes']:,} B held for {lo['file_bytes']:,} B on disk "
                   f"({'kept quantised' if lo['kept_quantised'] else 'dequantised at load: it holds the fp16 row'}'s "

@@ -67,11 +67,11 @@ PLAN = (
          "reserve after a tiny training + sampling step): the device-peak model's measured input", 30, 15),
     Part("vram_estimate", "vram", "`sdslim vram estimate` for every seed_study point and sampling row (CPU, 6 "
          "worker processes with no GPU visible, beside the GPU parts)", 380, 0, dry_cap_s=240, background=True),
+    Part("seed_study", "vram", "the seed's training-VRAM matrix measured (SD1.5 768 px B=1…16 and a few points per "
+         "setting, SDXL points): allocated, reserved, NVML", 100, 80),
     Part("trainer_sd15", "trainer", "SD1.5: the plan (quick/full ETA on this GPU) + its 8 GB check; train_adapters "
          "on CUDA, random full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit",
          75, 60),
-    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5, the 8 GB check's stage-2 groups)",
-         90, 70),
     Part("speed_sd15", "speed", "UNet fp16 SD1.5 512² B=1,4,8, eager + CUDA-graph replay, FLOPs: original, slim "
          "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, fp8 storage, channels_last", 50, 40),
     Part("speed_sdxl", "speed", "the same, SDXL 1024² B=1", 35, 25),
@@ -79,26 +79,28 @@ PLAN = (
          "sites, original vs slim 0.5/0.25 and candidates", 20, 12),
     Part("sampling_vram", "vram", "sampling VRAM SD1.5 512² / SDXL 1024²: original, slim 0.5, fp8, GGUF Q8_0/Q4_0 "
          "kept quantised; UNet at CFG batch 2 + VAE decode", 45, 30),
-    Part("seed_study", "vram", "the seed's training-VRAM matrix measured (SD1.5 768 px B=1…16 and a few points per "
-         "setting, SDXL points): allocated, reserved, NVML", 110, 60),
+    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5, the 8 GB check's stage-2 groups)",
+         90, 70),
     Part("speed_compile", "speed", "torch.compile(mode='reduce-overhead'): SD1.5 512² B=1 original vs slim 0.5",
          240, 0, dry_cap_s=300, optional=True),
 )
+
 PARTS = {p.name: p for p in PLAN}
 
 
-def previous_results(out: Path) -> dict | None:
-    f = Path(out) / "results.json"
+def previous_results(path: Path) -> dict | None:
+    """An earlier run's results: ``path`` itself (a results.json) or the results.json in that folder."""
+    f = Path(path) if Path(path).is_file() else Path(path) / "results.json"
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def select(names: str | None, compile_: bool, out: Path | None = None) -> list[Part]:
+def select(names: str | None, compile_: bool, previous: Path | None = None) -> list[Part]:
     """The parts to run: all (``--compile`` adds the optional one), a comma-separated list, or ``failed``: the parts
-    of ``out``'s previous results.json that did not end ok (their other parts' results are kept)."""
+    of the ``previous`` results.json that did not end ok (the other parts' results are kept)."""
     if names == "failed":
-        prev = previous_results(out) if out is not None else None
+        prev = previous_results(previous) if previous is not None else None
         if prev is None:
-            raise SystemExit(f"gpu_suite: --parts failed needs an earlier {out}/results.json")
+            raise SystemExit(f"gpu_suite: --parts failed needs an earlier results.json ({previous} has none)")
         return [p for p in PLAN if p.name in prev["parts"] and prev["parts"][p.name]["status"] != "ok"]
     if names:
         wanted = [n.strip() for n in names.split(",") if n.strip()]
@@ -256,7 +258,7 @@ class Suite:
         self.paths = [] if self.dry else carried_deps(self.work)   # the dry run uses this machine's packages
         self.kept = {}                 # --parts failed: the earlier run's parts that ended ok, kept as they were
         if args.parts == "failed":
-            prev = previous_results(self.out)
+            prev = previous_results(Path(args.previous or self.out))
             self.kept = {n: r for n, r in prev["parts"].items() if r["status"] == "ok"}
             for name, rec in self.kept.items():      # later parts read earlier ones' results (the context, ranks)
                 write_json(self.work / "parts" / f"{name}.json", rec)
@@ -441,6 +443,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="add the torch.compile latency part")
     ap.add_argument("--parts", default=None, help=f"comma-separated subset of: {', '.join(PARTS)}; or 'failed': "
                     "rerun the parts of --out's results.json that did not end ok, keeping the others' results")
+    ap.add_argument("--previous", default=None, help="with --parts failed: the earlier results.json (default: --out's)")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"total seconds (default {BUDGET_S}; dry run {DRY_BUDGET_S})")
     ap.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
@@ -451,7 +454,7 @@ def main(argv=None) -> int:
     args.argv = argv
     if args.runner:
         return runner(args)
-    selection = select(args.parts, args.compile, Path(args.out))
+    selection = select(args.parts, args.compile, Path(args.previous or args.out))
     if not selection:
         print(f"gpu_suite: every part of {args.out}/results.json ended ok; nothing to rerun")
         return 0

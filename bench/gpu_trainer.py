@@ -96,7 +96,7 @@ def trainer(ctx: Context, family: str) -> dict:
     dev = dict(device=ctx.device) if not ctx.dry else dict(device="cpu", latent_size=8, n_trajectories=4,
                                                             sample_steps=2, ff_tokens=512, res_maps=16)
     full = TrainConfig(**dev, log=ctx.log)
-    variants = {"quick": TrainConfig(**dev, **recipes.settings("quick"), log=ctx.log), "full": full}
+    variants = {"quick": TrainConfig(**{**dev, **recipes.settings("quick")}, log=ctx.log), "full": full}
     session = Session(weights, cfg, full, calib, ctx.work / f"plan-{family}.safetensors", None, False)
     fit = {}
     fit_thread = threading.Thread(target=lambda: fit.update(_fit(session, context)), daemon=True)

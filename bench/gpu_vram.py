@@ -85,8 +85,9 @@ def seed_study(ctx: Context) -> dict:
         if last:
             per = last[-1]["step_seconds"] / last[-1]["batch"]
             clock["per_sample"] = max(per, clock["per_sample"] or 0) if name.startswith("sdxl_") else per
-        need = (3.0 if not last else 0.5) + steps * batch * (clock["per_sample"] or 0.05) * (
-            4 if name.startswith("sdxl_") and not last else 1)
+        first = (15.0 if name.startswith("sdxl_") else 3.0) if not last else 0.5     # a setting's build + warm-up
+        need = first + steps * batch * (clock["per_sample"] or 0.05) * (4 if name.startswith("sdxl_") and not last
+                                                                         else 1)
         if ctx.remaining() < need + 2:
             curve["notes"].append(f"B={batch} and larger not measured: the part's time cap ({ctx.remaining():.0f} s "
                                   f"left, ~{need:.0f} s needed)")
@@ -359,7 +360,11 @@ def sampling_vram(ctx: Context) -> dict:
     The device peak is NVML's reading at the end of the steps (the reserve only grows within them) and, derived,
     torch's reserved peak + the context the environment part measured."""
     context = ctx.context_gib()
-    out = {"cfg_batch": CFG_BATCH, "context_gib": context, "families": {}, "loader": loader_check(ctx),
+    try:
+        loader = loader_check(ctx)
+    except Exception as err:  # e.g. the gguf package missing on the device: the rows below still run
+        loader = {"error": f"{type(err).__name__}: {err}"}
+    out = {"cfg_batch": CFG_BATCH, "context_gib": context, "families": {}, "loader": loader,
            "includes": "UNet weights + two sampler steps at CFG batch 2 (the UNet's activations); the VAE decode "
                        "and the text encoders beside, not inside"}
     for family in ("sd15", "sdxl"):

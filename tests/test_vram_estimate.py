@@ -128,6 +128,10 @@ def test_result_contract(results):
     assert json.loads(json.dumps(d))["settings"]["precision"] == "fp32"
     text = results["fp32"].format_text()
     assert "B=2" in text and "optimizer step" in text
+    # the device peak: the allocator model's reserve (whole segments, at least the live bytes) + the context
+    for p in d["points"]:
+        assert p["reserved_gib"] >= p["peak_gib"] and p["device_gib"] == p["reserved_gib"] + d["context_gib"]
+    assert "GiB allocated, device" in text
 
 
 def test_progress_lines_one_per_point(results):

@@ -29,7 +29,7 @@ def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float
     """The fewest stage-2 groups (up to :data:`MAX_GROUPS`) whose predicted device peak fits ``device_gib``, with
     each phase's predicted device peak; ``groups`` is None when no split fits (the text says which phase is over)."""
     context = DEFAULT_CONTEXT_GIB if context_gib is None else context_gib
-    optimizer = optimizer or cuda_optimizer()
+    optimizer = optimizer or (session.optimizer_name if session.device.type == "cuda" else cuda_optimizer())
     info = predict(session.cfg, ranks, session.tc, session.latent_size, optimizer, grad_ckpt=True)
     if info.get("peak_gib") is None:
         return {"device_gib": device_gib, "context_gib": context, "groups": None,

@@ -10,9 +10,10 @@ import math
 import os
 from pathlib import Path
 
+from sdslim_core.vram.allocator import DEFAULT_CONTEXT_GIB   # torch-free
+
 GOAL_REL_ERR = 0.10   # the estimator's goal (device peak vs NVML; allocated vs torch's)
 GIB = 2 ** 30
-DEFAULT_CONTEXT_GIB = 1.36   # = sdslim_core.vram.allocator.DEFAULT_CONTEXT_GIB (this module stays torch-free)
 
 
 def finite(obj):

@@ -61,14 +61,18 @@ class PhasePeaks:
             from sdslim_core.vram.live import device_used
             torch.cuda.synchronize()
             used = device_used(0)
-            self.gib[self.phase] = {"allocated": torch.cuda.max_memory_allocated() / GIB,
-                                    "reserved": torch.cuda.max_memory_reserved() / GIB,
-                                    "nvml_at_end": None if used is None else used / GIB}
+            now = {"allocated": torch.cuda.max_memory_allocated() / GIB,
+                   "reserved": torch.cuda.max_memory_reserved() / GIB,
+                   "nvml_at_end": None if used is None else used / GIB}
+            before = self.gib.get(self.phase, {})         # a phase met again (e.g. "stage 1" and its steps)
+            self.gib[self.phase] = {k: max(v, before.get(k) or v) if v is not None else before.get(k)
+                                    for k, v in now.items()}
             torch.cuda.reset_peak_memory_stats()
         self.phase = next_phase
 
     def __call__(self, done, total, info):
         label = info["stage"] if isinstance(info["stage"], str) else f"stage{info['stage']}"
+        label = label.replace("stage ", "stage")
         if label != self.phase:
             self.cut(label)
         if "of" not in info:

@@ -16,9 +16,12 @@ BNB=${SDSLIM_BNB:-0.50.2}
 PLATFORM=(--only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64 --platform any)
 rm -rf .gpu_deps
 "$PY" -m pip download --quiet --no-deps --dest .gpu_deps "${PLATFORM[@]}" "diffusers==$DIFFUSERS" "gguf==$GGUF"
+# the placement tests on CUDA (pytest -k cuda, after the suite) also run A1111's LDM UNet: its package and omegaconf
+"$PY" -m pip download --quiet --no-deps --dest .gpu_deps "${PLATFORM[@]}" stable-diffusion-sdkit==2.1.5 omegaconf
+"$PY" -m pip wheel --quiet --no-deps --wheel-dir .gpu_deps antlr4-python3-runtime==4.9.3   # an sdist: built here
 "$PY" -m pip install --quiet --no-deps --target .gpu_deps/site "${PLATFORM[@]}" "bitsandbytes==$BNB"
-# one library per CUDA release (20-26 MB each): keep the CPU one and CUDA 13 (the image's torch is cu130)
-find .gpu_deps/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda13*.so' -delete
+# one library per CUDA release (4 MB each): keep the CPU one and CUDA 13.0 (the image's torch is cu130)
+find .gpu_deps/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name '*_cpu.so' ! -name '*_cuda130.so' -delete
 rm -rf .gpu_deps/site/bin
 echo "wrote .gpu_deps: diffusers $DIFFUSERS, gguf $GGUF (wheels), bitsandbytes $BNB, $(du -sh .gpu_deps | cut -f1)" \
      "(a device call carries at most 64 MiB, working tree included)"

@@ -137,7 +137,7 @@ def accelerators() -> list:
 def on(accelerator: str):
     """Yield the device named by :func:`accelerators` (the emulation is active inside for ``emulated``)."""
     if accelerator == "cuda":
-        yield torch.device("cuda")
+        yield torch.device("cuda", torch.cuda.current_device())      # as tensors report it: cuda:0
         return
     with emulated_device() as dev:
         yield dev

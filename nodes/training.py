@@ -12,8 +12,10 @@ import folder_paths
 
 from sdslim_core import layout
 from sdslim_core.hosts import comfyui_conditioning
+from sdslim_core.io.files import refuse_existing
 
 from . import folding, paths, specs
+from .errors import SlimError
 
 
 def calibration_conditioning(positive=None, negative=None, clip=None, prompts: str = ""):
@@ -54,7 +56,7 @@ def native_latent_size(model) -> int | None:
 
 
 def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-        latent_size=0, negative=None, recipe="full", start_from=None, adapter_dtype=None) -> str:
+        latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False, adapter_dtype=None) -> str:
     """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report.
 
     ``recipe``: full, quick or data-free (``sdslim_core.train.recipes``); ``start_from``: an adapter file of
@@ -65,9 +67,10 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     try:
         from sdslim_core.train import TrainConfig, recipes, train_adapters
     except ImportError as err:
-        raise RuntimeError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
+        raise SlimError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
                            f"(pip install -r requirements.txt): {err}") from None
     out = paths.output_path(folder_paths, filename)
+    refuse_existing(out, overwrite)                 # before any work, and again when the file is written
     recipe = recipe or "full"
     start = paths.resolve(folder_paths, start_from) if start_from and start_from != specs.NO_START else None
     stored = {"adapter_dtype": adapter_dtype} if adapter_dtype else {}
@@ -76,7 +79,7 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
             raise ValueError("sdslim: the data-free recipe takes only 'ratio' (no budget, no start_from): it "
                              "measures nothing")
         weights, cfg = teacher(model)
-        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio, **stored), out)
+        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio, **stored), out, overwrite=overwrite)
         return recipes.data_free_text(aset, out, seconds)
     calib, notes = comfyui_conditioning.calibration(*calibration_conditioning(positive, negative, clip, prompts))
     bar = comfy.utils.ProgressBar(1)
@@ -95,6 +98,6 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
         options["latent_size"] = size
     work = paths.work_dir(folder_paths, out)
     result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", seed=seed,
-                            device=str(model.load_device), work_dir=work, **options)
+                            device=str(model.load_device), work_dir=work, overwrite=overwrite, **options)
     shutil.rmtree(work, ignore_errors=True)
     return "\n".join([f"adapters written to {out}", *notes, "", str(result.report)])

@@ -71,8 +71,16 @@ def tiny_diffusers_unet():
     return randomize_(unet).eval()
 
 
+LDM_MISSING = ("needs the LDM UNet of stable-diffusion-sdkit (A1111's code), an optional test dependency: "
+               "pip install omegaconf; pip install --no-deps stable-diffusion-sdkit==2.1.5 (tools/setup.sh installs "
+               "both)")
+
+
 def ldm_unet(cfg: layout.UNetConfig, dtype=torch.float64):
-    """An LDM ``UNetModel`` (stable-diffusion-sdkit, the A1111 code) for ``cfg``."""
+    """An LDM ``UNetModel`` (stable-diffusion-sdkit, the A1111 code) for ``cfg``; the test is skipped, saying what
+    to install, where that optional test dependency is absent (a ComfyUI venv made as docs/comfyui.md says)."""
+    for module in ("ldm.modules.diffusionmodules.openaimodel", "omegaconf"):    # the UNet imports omegaconf late
+        pytest.importorskip(module, reason=LDM_MISSING)
     import ldm.modules.attention
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
     ldm.modules.attention._ATTN_PRECISION = "model"   # its "fp32" upcast mixes dtypes in float64 runs

@@ -119,13 +119,14 @@ def _assert_inputs_unchanged(inputs):
 
 
 def _job(kind: str, d: Path, out: Path) -> dict:
-    """The worker job that writes ``out``: ``sdslim slim``, ``sdslim lora convert`` or the UI's slim job."""
+    """The worker job that writes ``out``: ``sdslim slim``, ``sdslim lora convert`` (both told they may replace an
+    older file) or the UI's slim job."""
     if kind == "slim":
         return {"argv": ["slim", "--ckpt", str(d / TINY.name), "--adapters", str(d / ADAPTERS.name),
-                         "--lora", f"{d / LORA.name}:0.8", "--out", str(out)]}
+                         "--lora", f"{d / LORA.name}:0.8", "--out", str(out), "--overwrite"]}
     if kind == "lora convert":
         return {"argv": ["lora", "convert", "--slim", str(d / "slim.safetensors"), "--lora", str(d / LORA.name),
-                         "--out", str(out)]}
+                         "--out", str(out), "--overwrite"]}
     return {"ui_slim": {"roots": [str(d), str(out.parent)], "ckpt": TINY.name, "adapters": ADAPTERS.name,
                         "loras": [[LORA.name, 0.8]], "select": 1.0, "out_folder": str(out.parent),
                         "out_name": out.name}}

@@ -25,7 +25,7 @@ def _find(args) -> int:
 
 def _distance(args) -> int:
     from ..apps.adapter_files import checkpoint_distance
-    d = checkpoint_distance(args.ckpt, args.adapters)
+    d = checkpoint_distance(args.ckpt, args.adapters, args.device)
     if args.json:
         print(json.dumps(d.to_dict()))
         return 0
@@ -41,7 +41,8 @@ def _distance(args) -> int:
 
 def _fingerprint(args) -> int:
     from ..apps.adapter_files import add_fingerprint
-    out = add_fingerprint(args.adapters, args.ckpt, args.out, FILE_DTYPES[args.adapter_dtype])
+    out = add_fingerprint(args.adapters, args.ckpt, args.out, overwrite=args.overwrite,
+                          dtype=FILE_DTYPES[args.adapter_dtype])
     print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}: {args.adapters} with the base fingerprint "
           f"of {args.ckpt} (tensors as {args.adapter_dtype})", file=sys.stdout if args.json else sys.stderr)
     return 0
@@ -64,6 +65,7 @@ def register(sub):
                                     "the fold reads); nothing is written.")
     c.add_argument("--ckpt", required=True, help="the checkpoint to slim")
     c.add_argument("--adapters", required=True, help="the adapter file")
+    c.add_argument("--device", default="cpu", help="where the sketches are computed (e.g. cuda); default cpu")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_distance)
     c = cmds.add_parser("fingerprint", help="add the base fingerprint of its base checkpoint to an adapter file",
@@ -76,5 +78,6 @@ def register(sub):
     c.add_argument("--ckpt", required=True, help="the base checkpoint the adapters were trained on")
     c.add_argument("--out", required=True, help="the new adapter file (.safetensors)")
     add_dtype_argument(c)
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_fingerprint)

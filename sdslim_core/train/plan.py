@@ -36,7 +36,7 @@ from .calibration import _store_dtype, unet_call
 from .fit import eval_interval
 from .memory import available_ram, gib, ram_need
 from .ranks import adapter_param_count
-from .sites import build_student, call_site, make_site_adapter
+from .sites import call_site
 from .stage2 import largest_group, resolve_groups
 
 if TYPE_CHECKING:
@@ -456,9 +456,8 @@ def _site_step(session: "Session", aset: AdapterSet, site, shape, g) -> float:
     """Seconds of one stage-1 step of ``site`` (forward, backward, AdamW) on random data of its captured shape."""
     tc = session.tc
     teacher_site = session.placement.site_on_device(site.name)
-    adapter = make_site_adapter(site.name, site.kind, aset.sites[site.name], aset.groups(site.name),
-                                session.norm_eps(site.name)).to(session.device)
-    student = build_student(teacher_site, site.kind, session.naming, adapter)
+    student, adapter = swap.train_site(teacher_site, site.name, site.kind, session.naming, aset.sites[site.name],
+                                       aset.groups(site.name))
     opt = torch.optim.AdamW(list(adapter.parameters()), lr=1e-6)
     dev, dt = session.device, session.compute_dtype
     if site.kind == "ff":

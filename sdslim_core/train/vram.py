@@ -172,7 +172,8 @@ def estimate(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: 
     out = {}
     for r in results:
         point = next(p for p in r.points if p["batch"] == want[r.name])
-        out[r.name] = {"peak_gib": point["peak_gib"], "batch": want[r.name], "phase": point["phase"],
+        out[r.name] = {"peak_gib": point["peak_gib"], "reserved_gib": point["reserved_gib"], "batch": want[r.name],
+                       "phase": point["phase"],
                        "breakdown_gib": point["breakdown_gib"], "device_mode": r.device_mode,
                        "warnings": r.warnings}
     return out

@@ -136,7 +136,8 @@ def test_from_keeps_sites_and_ranks_never_allocates_and_fingerprints_the_derivat
             for key in fingerprint.site_keys(site, a.kind(site)):
                 meter.add(site, key, src.weights[key])
         assert (meter.result().overall > 1e-3) == far
-    _, err = _run(capsys, "train", "--ckpt", deriv, "--out", out, "--from", base, "--ratio", "0.5", *CALIB, rc=2)
+    _, err = _run(capsys, "train", "--ckpt", deriv, "--out", tmp_path / "other.safetensors", "--from", base,
+                  "--ratio", "0.5", *CALIB, rc=2)
     assert "--from keeps the ranks" in err and "--ratio" in err
 
 

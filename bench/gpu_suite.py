@@ -64,23 +64,23 @@ class Part:
 
 PLAN = (
     Part("environment", "environment", "GPU, driver, torch/CUDA, packages; the CUDA context (NVML beyond torch's "
-         "reserve after a tiny training + sampling step): the device-peak model's measured input", 30, 15),
+         "reserve after a tiny training + sampling step): the device-peak model's measured input", 40, 35),
     Part("vram_estimate", "vram", "`sdslim vram estimate` for every seed_study point and sampling row (CPU, 6 "
          "worker processes with no GPU visible, beside the GPU parts)", 380, 0, dry_cap_s=240, background=True),
     Part("seed_study", "vram", "the seed's training-VRAM matrix measured (SD1.5 768 px B=1…16 and a few points per "
-         "setting, SDXL points): allocated, reserved, NVML", 100, 80),
+         "setting, SDXL points): allocated, reserved, NVML", 70, 55),
     Part("trainer_sd15", "trainer", "SD1.5: the plan (quick/full ETA on this GPU) + its 8 GB check; train_adapters "
          "on CUDA, random full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit",
-         75, 60),
+         110, 100),
     Part("speed_sd15", "speed", "UNet fp16 SD1.5 512² B=1,4,8, eager + CUDA-graph replay, FLOPs: original, slim "
-         "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, fp8 storage, channels_last", 50, 40),
-    Part("speed_sdxl", "speed", "the same, SDXL 1024² B=1", 35, 25),
+         "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, fp8 storage, channels_last (B=1)", 60, 50),
+    Part("speed_sdxl", "speed", "the same, SDXL 1024² B=1", 35, 30),
     Part("profile", "speed", "torch.profiler SD1.5 512² B=1: device time by op kind, inside/outside the slimmed "
-         "sites, original vs slim 0.5/0.25 and candidates", 20, 12),
+         "sites, original vs slim 0.5/0.25 and candidates", 20, 17),
     Part("sampling_vram", "vram", "sampling VRAM SD1.5 512² / SDXL 1024²: original, slim 0.5, fp8, GGUF Q8_0/Q4_0 "
-         "kept quantised; UNet at CFG batch 2 + VAE decode", 45, 30),
+         "kept quantised; UNet at CFG batch 2 + VAE decode", 30, 20),
     Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5, the 8 GB check's stage-2 groups)",
-         90, 70),
+         110, 80),
     Part("speed_compile", "speed", "torch.compile(mode='reduce-overhead'): SD1.5 512² B=1 original vs slim 0.5",
          240, 0, dry_cap_s=300, optional=True),
 )

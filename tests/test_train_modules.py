@@ -367,6 +367,13 @@ def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
     assert trainable == vram.adapter_param_count(layout.sites(shapes), ranks)
     a = vram.analytic(cfg, ranks, TrainConfig(), 8, "adamw")
     assert a["adapter_params"] == trainable and a["stage2_static_gib"] > a["teacher_gib"]
+    # stage 1's whole-UNet error measurement holds the folded layers beside the teacher: their bytes, counted from
+    # the layers a slim module built on meta actually replaces (fp16 on CUDA: 2 bytes a parameter)
+    unet = build_diffusers_unet(cfg, device="meta")
+    slim = swap.slim_module(unet, adapters.AdapterSet.shaped_like(shapes, "sd15", 0.5, ranks))
+    teacher_params = {id(p) for p in unet.parameters()}
+    folded = sum(p.numel() for p in slim.parameters() if id(p) not in teacher_params)
+    assert a["folded_gib"] * 2 ** 30 == folded * 2
 
 
 # ------------------------------------------------------------------------------------------ other teachers

@@ -480,7 +480,7 @@ def _train_tab():
                     adapter_dtype = gr.Dropdown(choices=list(FILE_DTYPES), value=DEFAULT_FILE_DTYPE,
                                                 elem_id="sdslim_train_adapter_dtype",
                                                 label="Adapter file dtype (fp16: half of fp32's bytes, the same "
-                                                      "slim model to a cosine of 0.9999)")
+                                                      "slim model to a cosine of 1.0000000)")
                 with gr.Row():
                     interrupt = gr.Button(value="Interrupt", elem_id="sdslim_train_interrupt")
                     start = gr.Button(value="Train", variant="primary", elem_id="sdslim_train_start")

@@ -13,7 +13,7 @@ def add_dtype_argument(parser):
     """``--adapter-dtype``: the storage dtype of the adapter file a command writes."""
     parser.add_argument("--adapter-dtype", choices=tuple(FILE_DTYPES), default=DEFAULT_FILE_DTYPE,
                         help=f"storage dtype of the adapter file (default {DEFAULT_FILE_DTYPE}: half the bytes of "
-                             "fp32, the same folded model to a cosine of 0.9999; every reader computes in fp32)")
+                             "fp32, the same slim model to a cosine of 1.0000000; every reader computes in fp32)")
 
 
 def _find(args) -> int:

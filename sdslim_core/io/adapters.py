@@ -33,7 +33,7 @@ FF_TENSORS = ("down_value", "down_gate", "up")
 FF_OPTIONAL = ("up_bias",)
 RES_TENSORS = ("down", "norm.weight", "norm.bias", "up")
 FILE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}   # a delivered file's choices
-DEFAULT_FILE_DTYPE = "fp16"           # half the bytes of float32 at a cosine ≥ 0.9999 (bench/RESULTS.md)
+DEFAULT_FILE_DTYPE = "fp16"           # half the bytes of float32, the same slim model to 7 digits (bench/RESULTS.md)
 
 
 class AdapterError(FileFormatError):

@@ -140,8 +140,9 @@ def memory_report(device=None) -> MemoryReport:
                            reserved_bytes=torch.mps.driver_allocated_memory(), **common)
         rep.notes.append("MPS shares system RAM; torch has no peak counters on MPS")
         return rep
-    if device.type != "cuda":
-        raise ValueError(f"unsupported device {device}")
+    if device.type != "cuda":       # XPU, DirectML and others: no counters sdslim reads; RAM only, said so
+        return MemoryReport(str(device), device.type.upper(), "psutil",
+                            notes=[f"no memory counters for {device.type} devices here: RAM only"], **common)
     rep = MemoryReport(str(device), "", "nvml", **common)
     handle = _nvml_index(device.index)
     if handle is not None:

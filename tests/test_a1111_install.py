@@ -78,6 +78,45 @@ def test_pip_may_only_add_every_installed_version_is_a_constraint(install, tmp_p
     assert not os.path.exists(pinned[0][1])
 
 
+# (torch, the newest diffusers and lycoris-lora releases that import and work there, the first ones that do not),
+# as measured by installing each (docs/a1111.md, "On the webui's own torch"); None: no release fails
+BOUNDARIES = [("2.1.2+cu121", "0.35.2", "0.36.0", "4.0.0", "4.1.0"),      # webui v1.10.1's torch
+              ("2.2.2", "0.35.2", "0.36.0", "4.0.0", "4.1.0"),
+              ("2.4.1", "0.36.0", "0.37.0", "4.0.0", "4.1.0"),
+              ("2.5.1", "0.40.0", "0.41.0", "4.0.0", "4.1.0"),
+              ("2.6.0", "0.42.1", None, "4.0.0", "4.1.0"),
+              ("2.7.1", "0.42.1", None, "4.1.3", None)]
+
+
+@pytest.mark.parametrize("torch_version, works, fails, lyco_works, lyco_fails", BOUNDARIES)
+def test_releases_that_do_not_import_on_the_installed_torch_are_left_out_or_replaced(
+        install, tmp_path, monkeypatch, torch_version, works, fails, lyco_works, lyco_fails):
+    """Each pip call's requirement is capped below the first release that fails on the installed torch and keeps the
+    newest that works; an installed release past the cap (what an older install.py added: diffusers 0.37.1 and
+    lycoris-lora 4.1.3, which fail on torch 2.1.2) is replaced, one within it is kept."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    module, calls = install
+    site = tmp_path / "site"
+    _dist(site, "torch", torch_version)
+    _dist(site, "diffusers", "0.37.1")
+    _dist(site, "lycoris-lora", "4.1.3")
+    monkeypatch.syspath_prepend(str(site))
+    req = tmp_path / "requirements.txt"
+    req.write_text("diffusers>=0.27\nlycoris-lora>=3\n")
+    module.main(str(req))
+    targets = {r.name: r.specifier for r in (Requirement(re.fullmatch(r'install "(.+)" -c ".+"', c)[1])
+                                             for c, _ in calls)}
+    for name, installed, newest, first_failing, oldest in (("diffusers", "0.37.1", works, fails, "0.27"),
+                                                            ("lycoris-lora", "4.1.3", lyco_works, lyco_fails, "3")):
+        if first_failing is None or Version(installed) < Version(first_failing):
+            assert name not in targets, (name, targets)         # the installed release works here: kept
+        else:
+            spec = targets[name]
+            assert spec.contains(newest) and spec.contains(oldest), (name, spec)
+            assert not spec.contains(first_failing) and not spec.contains(installed), (name, spec)
+
+
 def test_bad_requirement_lines_name_file_and_line(install, tmp_path):
     module, calls = install
     req = tmp_path / "requirements.txt"

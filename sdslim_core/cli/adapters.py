@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..ops.fingerprint import WARN_DISTANCE
+from ..ops import fingerprint
 
 
 def _find(args) -> int:
@@ -21,12 +21,12 @@ def _distance(args) -> int:
     if args.json:
         print(json.dumps(d.to_dict()))
         return 0
-    print(f"{args.ckpt}: {d.overall:.1%} from the base of {args.adapters} over the {d.compared} tensors its "
+    print(f"{args.ckpt}: {fingerprint.percent(d.overall)} from the base of {args.adapters} over the {d.compared} tensors its "
           f"{len(d.sites)} sites fold", file=sys.stderr)
     for site, v in d.worst(len(d.sites)):
         print(f"  {site:<55} {v:7.2%}", file=sys.stderr)
-    if d.overall > WARN_DISTANCE:
-        print(f"past {WARN_DISTANCE:.0%}: base adapters keep measurably less of this checkpoint than adapters "
+    if d.far:
+        print(f"past {fingerprint.WARN_TEXT}: base adapters keep measurably less of this checkpoint than adapters "
               f"refitted on it (`sdslim train --ckpt {args.ckpt} --from {args.adapters}`)", file=sys.stderr)
     return 0
 

@@ -1,6 +1,7 @@
 """install.py with the stand-in ``launch`` (which records pip calls instead of running pip); with
-``SDSLIM_WEBUI_VENV=1`` (needs the package index, a few minutes) also in a venv made from webui v1.10.1's
-requirements_versions.txt, with a ``launch`` that runs pip."""
+``SDSLIM_WEBUI_VENV=1`` (needs the package index, a few GB and tens of minutes) also in a venv made exactly as webui
+v1.10.1 makes it (torch 2.1.2, its requirements_versions.txt) and in one around the current torch, with a ``launch``
+that runs pip, and the stand-in tab's training tests run by each venv's python."""
 import importlib.util
 import json
 import os
@@ -135,17 +136,40 @@ def test_the_shipped_requirements_parse_and_leave_torch_to_the_webui(install):
     assert names and not {"torch", "torchvision", "xformers"} & set(names)
 
 
-@pytest.mark.skipif(os.environ.get("SDSLIM_WEBUI_VENV") != "1", reason="SDSLIM_WEBUI_VENV=1: builds a webui venv "
-                    "from the package index (minutes)")
-def test_in_a_webui_v1_10_1_venv_install_py_only_adds_and_pip_check_is_clean(tmp_path):
+@pytest.fixture(scope="module", params=["webui", "current"])
+def webui_venv(request, tmp_path_factory):
+    """(build module, build.check's result, kind): a venv made as webui v1.10.1 makes it (its torch 2.1.2), or
+    around the current torch, with install.py run in it."""
+    if os.environ.get("SDSLIM_WEBUI_VENV") != "1":
+        pytest.skip("SDSLIM_WEBUI_VENV=1: builds webui venvs from the package index (torch 2.1.2: a few GB, minutes)")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:
         from a1111_venv import build
     finally:
         sys.path.remove(os.path.join(ROOT, "tests"))
-    result = build.check(tmp_path / "venv")
+    return build, build.check(tmp_path_factory.mktemp(request.param) / "venv", torch=request.param), request.param
+
+
+def test_in_a_webui_venv_install_py_only_adds_what_imports_on_its_torch(webui_venv):
+    """Nothing of the webui's changes, ``pip check`` is clean, the webui's imports give what they gave, and what
+    SD Slim imports of the added packages works on the venv's torch (on webui v1.10.1's torch 2.1.2: diffusers 0.35.2
+    and lycoris-lora 4.0.0, the newest releases that import there)."""
+    _, result, kind = webui_venv
     assert result["install_rc"] == 0, result["install_log"]
     assert result["changed"] == {}, result["changed"]
     assert result["pip_check_rc"] == 0, result["pip_check"]
     assert result["imports_after"] == result["imports_before"]
     assert {"diffusers", "lycoris-lora"} <= result["added"].keys(), result["added"]
+    assert set(result["sdslim_imports"].values()) == {"ok"}, result["sdslim_imports"]
+    if kind == "webui":
+        assert result["torch"] == "2.1.2" and set(result["imports_before"].values()) == {"ok"}, result
+        assert (result["added"]["diffusers"], result["added"]["lycoris-lora"]) == ("0.35.2", "4.0.0"), result["added"]
+
+
+def test_in_a_webui_venv_the_sd_slim_tab_trains(webui_venv):
+    """The stand-in tab's training tests (interrupt and resume, recipes and Start from, refusals) pass when run by
+    the venv's own python, on its torch and the releases install.py added."""
+    build, result, _ = webui_venv
+    rc, out = build.run_tests(result["python"], "tests/test_a1111_training.py", "-k",
+                              "interrupt_resume or recipe_and_start or refusals")
+    assert rc == 0 and " passed" in out, out

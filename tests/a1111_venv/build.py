@@ -33,7 +33,6 @@ WEBUI_IMPORTS = ["git", "PIL", "accelerate", "blendmodes", "cleanfid", "diskcach
 # what SD Slim imports of the packages install.py adds: the trainer's UNet, the LyCORIS weight rebuilds
 SDSLIM_IMPORTS = ["diffusers:UNet2DConditionModel", "lycoris.functional.loha", "lycoris.functional.lokr",
                   "lycoris.functional.locon"]
-TEST_TOOLS = ("pytest", "stable-diffusion-sdkit==2.1.5")     # the stand-in tests' runner and LDM UNet blocks
 
 
 def _run(*cmd, env=None, check=True, cwd=None):
@@ -117,10 +116,10 @@ def run_install_py(python, extension=ROOT):
 
 
 def run_tests(python, *pytest_args):
-    """The repository's tests run by the venv's python (the test tools added first, after every check of the
-    venv as the webui has it): (exit status, pytest's output)."""
-    _run(python, "-m", "pip", "install", "--quiet", "--no-deps", *TEST_TOOLS)
-    _run(python, "-m", "pip", "install", "--quiet", "iniconfig", "pluggy", "packaging")     # pytest's own
+    """The repository's tests run by the venv's python (pytest and the stand-in's LDM UNet blocks added first,
+    after every check of the venv as the webui has it): (exit status, pytest's output)."""
+    _run(python, "-m", "pip", "install", "--quiet", "pytest")
+    _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "stable-diffusion-sdkit==2.1.5")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     done = _run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, cwd=ROOT, env=env, check=False)
     return done.returncode, done.stdout + done.stderr

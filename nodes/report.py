@@ -34,7 +34,8 @@ def breakdown_text(patcher, label: str = "model") -> str:
     lines = [table, f"adapters: {info.adapters}"]
     if info.distance is not None:
         worst = ", ".join(f"{s} {v:.1%}" for s, v in info.distance.worst())
-        lines.append(f"folded weights {fingerprint.percent(info.distance.overall)} from the adapters' base (largest: {worst})")
+        lines.append(f"folded weights {fingerprint.percent(info.distance.overall)} from the adapters' base "
+                     f"(largest: {worst})")
     return "\n".join(lines)
 
 

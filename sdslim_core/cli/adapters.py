@@ -21,8 +21,8 @@ def _distance(args) -> int:
     if args.json:
         print(json.dumps(d.to_dict()))
         return 0
-    print(f"{args.ckpt}: {fingerprint.percent(d.overall)} from the base of {args.adapters} over the {d.compared} tensors its "
-          f"{len(d.sites)} sites fold", file=sys.stderr)
+    print(f"{args.ckpt}: {fingerprint.percent(d.overall)} from the base of {args.adapters} over the {d.compared} "
+          f"tensors its {len(d.sites)} sites fold", file=sys.stderr)
     for site, v in d.worst(len(d.sites)):
         print(f"  {site:<55} {v:7.2%}", file=sys.stderr)
     if d.far:

@@ -62,8 +62,9 @@ def summary_text(result, loras) -> str:
     if result.distance is not None:
         d = result.distance
         worst = ", ".join(f"{s} {v:.1%}" for s, v in d.worst())
-        lines.append("distance from the adapters' base: " + (f"{fingerprint.percent(d.overall)} of the folded weights (largest: {worst})"
-                                                              if d.overall else "0 (the adapters' own base model)"))
+        overall = f"{fingerprint.percent(d.overall)} of the folded weights (largest: {worst})" if d.overall else \
+            "0 (the adapters' own base model)"
+        lines.append(f"distance from the adapters' base: {overall}")
     lines += [f"note: {n}" for n in result.notes] + [f"warning: {w}" for w in result.warnings]
     return "\n".join(line for line in lines if line)
 

@@ -21,10 +21,10 @@ import torch
 from ... import layout
 from ...optional import MissingDependency
 from ...train import Calibration, recipes
-from ...train.checkpoint import CheckpointError
-from ...train.plan import PlanMemoryError
 from ...train.calibration import SDXL_TIME_EMBEDS, sdxl_time_ids
+from ...train.checkpoint import CheckpointError
 from ...train.config import parse_budget
+from ...train.plan import PlanMemoryError
 from ...train.report import short_site
 from ...train.session import DEFAULT_LATENT
 from .. import train_paths
@@ -145,7 +145,7 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
 
 def refusal_text(err: BaseException) -> str:
     """A refusal (:data:`REFUSALS`) as the one sentence the Report box shows."""
-    text = str(err).strip() or type(err).__name__
+    text = str(err).strip() or "the run was refused without a reason (please report this)"
     return text if text.startswith("SD Slim") else f"SD Slim training: {text}"
 
 
@@ -153,7 +153,7 @@ def diffusers_refusal() -> str | None:
     """Why the trainer cannot build its teacher here (diffusers missing, or failing to import with this torch), or
     None."""
     try:
-        import diffusers  # noqa: F401
+        from diffusers import UNet2DConditionModel  # noqa: F401 - what the trainer builds its teacher with
     except Exception as err:  # noqa: BLE001 - a release made for a newer torch fails with any error at import
         state = "is not installed" if isinstance(err, ModuleNotFoundError) and err.name == "diffusers" else \
             f"does not import with this torch {torch.__version__} ({err})"

@@ -18,7 +18,8 @@ REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "require
 WEBUI_OWNED = {"torch", "torchvision", "torchaudio", "xformers"}
 _NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)")
 # (distribution, torch release below which, the cap): releases that fail to import on an older torch. Each boundary
-# was checked by installing torch on both sides of it and importing (docs/a1111.md, "On the webui's own torch").
+# was measured by installing torch on both sides of it and running what SD Slim uses (tests/a1111_venv/releases.py;
+# docs/a1111.md, "On the webui's own torch").
 TORCH_CAPS = (("diffusers", "2.3", "<0.36"),        # 0.36 reads torch.xpu at import
               ("diffusers", "2.5", "<0.37"),        # 0.37 registers a custom op torch 2.4 cannot read ('X | None')
               ("diffusers", "2.6", "<0.41"),        # 0.41 reads torch.accelerator

@@ -2,17 +2,16 @@
 really runs pip: what it added, what it changed, ``pip check``, which of the webui's imports work before and after,
 and whether what SD Slim needs of its packages works there. Needs the package index.
 
-Two kinds of venv (``torch=``):
-- ``"webui"``: exactly as webui v1.10.1 makes it: its TORCH_COMMAND (torch 2.1.2 + torchvision 0.16.2, the
-  CUDA 12.1 builds, from the index: a few GB, cached by pip), then ``pip install -r requirements_versions.txt``;
-- ``"current"``: the running interpreter's (current) torch linked in, so pip never pulls a CUDA build, and the
-  webui's ``setuptools==69.5.1`` pin left out (torch >= 2.6 needs setuptools >= 77). The imports that need a
-  matching torchvision (open_clip, facexlib, spandrel) fail there before and after alike.
+Two kinds of venv (``torch=``), both made as the webui makes its venv: its TORCH_COMMAND, then
+``pip install -r requirements_versions.txt`` (torch and torchvision from the index: a few GB, cached by pip):
+- ``"webui"``: exactly webui v1.10.1's: torch 2.1.2 + torchvision 0.16.2 (the CUDA 12.1 builds);
+- ``"current"``: the newest torch and torchvision the index offers (a TORCH_COMMAND users set for new GPUs), with
+  the webui's ``setuptools==69.5.1`` pin replaced by ``setuptools<81`` (a current torch needs setuptools >= 77,
+  pytorch_lightning 1.9.4 the pkg_resources that 81 dropped).
 
 The clip/open_clip/repository steps of the webui's start-up need GitHub and are not made. Used by
 tests/test_a1111_install.py (``SDSLIM_WEBUI_VENV=1``); ``python tests/a1111_venv/build.py DIR [webui|current]``
 prints the same as JSON."""
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -23,7 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PINS = ROOT / "tests" / "data" / "a1111_v1.10.1_requirements_versions.txt"
-WEBUI_TORCH = ("torch==2.1.2", "torchvision==0.16.2")   # webui v1.10.1's TORCH_COMMAND (launch_utils.py)
+# what each kind of venv installs first: webui v1.10.1's TORCH_COMMAND (launch_utils.py), or the newest releases
+TORCH_COMMANDS = {"webui": ("torch==2.1.2", "torchvision==0.16.2"), "current": ("torch", "torchvision")}
 # the top-level modules of the packages in PINS, and the text encoder classes the webui builds from transformers
 WEBUI_IMPORTS = ["git", "PIL", "accelerate", "blendmodes", "cleanfid", "diskcache", "einops", "facexlib", "fastapi",
                  "gradio", "httpcore", "inflection", "jsonmerge", "kornia", "lark", "numpy", "omegaconf", "open_clip",
@@ -42,52 +42,22 @@ def _run(*cmd, env=None, check=True, cwd=None):
     return done
 
 
-def _site_packages(python):
-    return Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
-
-
-def _link_torch(python, root):
-    """The running interpreter's torch distribution, symlinked into a folder on the venv's path (a .pth file)."""
-    dist = importlib.metadata.distribution("torch")
-    base = Path(dist.locate_file(""))
-    top = {Path(str(f)).parts[0] for f in dist.files if not str(f).startswith("..")}
-    linked = root / "torch-linked"
-    linked.mkdir()
-    for name in sorted(top):
-        (linked / name).symlink_to(base / name)
-    (_site_packages(python) / "torch-linked.pth").write_text(str(linked) + "\n")
-    return dist.version
-
-
-def _build_current(python, root, pins):
-    """The webui's requirements around the linked current torch: resolved, then installed without dependencies
-    (so pip cannot replace the linked torch by a download)."""
-    torch_version = _link_torch(python, root)
-    constraint = root / "torch-constraint.txt"
-    constraint.write_text(f"torch=={torch_version}\nsetuptools<81\n")   # 81 has no pkg_resources (pytorch_lightning)
-    requirements = root / "requirements_versions.txt"
-    requirements.write_text("".join(line for line in Path(pins).read_text().splitlines(True)
-                                    if not line.lower().startswith("setuptools")))
-    report = root / "resolved.json"
-    _run(python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", report,
-         "-r", requirements, "-c", constraint)
-    wanted = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in json.loads(report.read_text())["install"]
-              if i["metadata"]["name"].lower() != "torch"]
-    _run(python, "-m", "pip", "install", "--no-deps", "--quiet", *wanted)
-
-
 def build(root, pins=PINS, torch="webui"):
     """A fresh venv at ``root`` (``torch``: "webui" or "current", see the module's doc); its python."""
+    if torch not in TORCH_COMMANDS:
+        raise ValueError(f"torch={torch!r}: expected one of {', '.join(TORCH_COMMANDS)}")
     root = Path(root)
     venv.create(root, with_pip=True)
     python = root / "bin" / "python"
+    _run(python, "-m", "pip", "install", "--quiet", "--prefer-binary", *TORCH_COMMANDS[torch])
+    extra = []
     if torch == "current":
-        _build_current(python, root, pins)
-    elif torch == "webui":
-        _run(python, "-m", "pip", "install", "--quiet", "--prefer-binary", *WEBUI_TORCH)
-        _run(python, "-m", "pip", "install", "--quiet", "--prefer-binary", "-r", pins)
-    else:
-        raise ValueError(f"torch={torch!r}: expected 'webui' or 'current'")
+        requirements, constraint = root / "requirements_versions.txt", root / "setuptools-constraint.txt"
+        requirements.write_text("".join(line for line in Path(pins).read_text().splitlines(True)
+                                        if not line.lower().startswith("setuptools")))
+        constraint.write_text("setuptools<81\n")
+        pins, extra = requirements, ["-c", constraint]
+    _run(python, "-m", "pip", "install", "--quiet", "--prefer-binary", "-r", pins, *extra)
     return python
 
 

@@ -145,7 +145,7 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
 
 def refusal_text(err: BaseException) -> str:
     """A refusal (:data:`REFUSALS`) as the one sentence the Report box shows."""
-    text = str(err).strip() or "the run was refused without a reason (please report this)"
+    text = " ".join(str(err).split()) or "the run was refused without a reason (please report this)"
     return text if text.startswith("SD Slim") else f"SD Slim training: {text}"
 
 
@@ -155,8 +155,9 @@ def diffusers_refusal() -> str | None:
     try:
         from diffusers import UNet2DConditionModel  # noqa: F401 - what the trainer builds its teacher with
     except Exception as err:  # noqa: BLE001 - a release made for a newer torch fails with any error at import
+        why = (str(err).strip().splitlines() or [type(err).__name__])[-1]      # diffusers wraps it: its last line
         state = "is not installed" if isinstance(err, ModuleNotFoundError) and err.name == "diffusers" else \
-            f"does not import with this torch {torch.__version__} ({err})"
+            f"does not import with this torch {torch.__version__} ({why})"
         return (f"SD Slim training needs diffusers, which {state}; restart the webui so that the extension's "
                 "installer adds a release that works with it")
     return None

@@ -151,9 +151,9 @@ class Teacher:
 def ablation(t: Teacher, ratio: float, work: Path) -> dict:
     """Held-out per-site error of each initialisation step at uniform ``ratio`` (mean over FF / Res sites)."""
     from sdslim_core.train.calibration import calibrate
+    from sdslim_core.modules import swap
     from sdslim_core.train.init import site_init
     from sdslim_core.train.session import Session
-    from sdslim_core.train.sites import build_student, make_site_adapter
     from sdslim_core.train.teacher import teacher_weights
     tc = TrainConfig(ratio=ratio, uniform=True, guidance=4.0, latent_size=t.pipe.latent_size, seed=0,
                      work_dir=str(work), **BUDGETS["init"])
@@ -171,9 +171,8 @@ def ablation(t: Teacher, ratio: float, work: Path) -> dict:
         st = si.stats
 
         def err(tensors, groups):
-            a = make_site_adapter(site, s.kind, {k: v.float().cpu() for k, v in tensors.items()}, groups, si.norm_eps)
-            return si.data.eval_error(build_student(si.site_mod, s.kind, run.naming, a), run.device,
-                                      run.compute_dtype, run.amp)
+            student, _ = swap.train_site(si.site_mod, site, s.kind, run.naming, tensors, groups)
+            return si.data.eval_error(student, run.device, run.compute_dtype, run.amp)
         if s.kind == "ff":
             steps = {"v0.1 act_select": err(st.act_select(r), 0),
                      "+ OBS selection": err(st.obs(r, intercept=False), 0),

@@ -44,9 +44,11 @@ def slim(model, adapters: str, strength: float, enable: bool) -> Result:
 
 
 def save_slim_checkpoint(model, filename: str, destination: str, overwrite: bool = False,
-                         embed_adapters: bool = False, clip=None, vae=None) -> Result:
+                         embed_adapters: bool = False, clip=None, vae=None, dtype: str = "source") -> Result:
+    bar = comfy.utils.ProgressBar(1)
     path, size = saving.save_checkpoint(model, filename, destination, clip=clip, vae=vae, overwrite=overwrite,
-                                        embed_adapters=embed_adapters)
+                                        embed_adapters=embed_adapters, dtype=dtype,
+                                        progress=lambda done, total: bar.update_absolute(done, total))
     log.info("sdslim: wrote %s: %s", path, size)
     return Result((), text=f"wrote {path}: {size}")
 
@@ -97,11 +99,12 @@ def vram_report(model=None, model_b=None, trigger=None, width=1024, height=1024,
 
 
 def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-          latent_size=0, negative=None, recipe="full", start_from=None) -> Result:
+          latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False,
+          adapter_dtype=None) -> Result:
     from . import training
     text = training.run(model, filename=filename, ratio=ratio, steps=steps, seed=seed, positive=positive,
                         negative=negative, clip=clip, prompts=prompts, budget=budget, latent_size=latent_size,
-                        recipe=recipe, start_from=start_from)
+                        recipe=recipe, start_from=start_from, overwrite=overwrite, adapter_dtype=adapter_dtype)
     return Result((text,), text)
 
 

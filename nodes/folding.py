@@ -11,6 +11,7 @@ stay in place, only their inner layers change.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -28,19 +29,16 @@ import comfy.utils
 from sdslim_core import layout
 from sdslim_core.io import adapters
 from sdslim_core.modules.layers import LayerError, resize_like, set_module
-from sdslim_core.ops import fingerprint, fold, lora_slim
+from sdslim_core.ops import fingerprint, fold, lora_slim, quant
 
 from . import monitor, patches
+from .errors import SlimError
 
 PREFIX = layout.COMFY_PREFIX
 COMPILE_KEY, COMPILE_KWARGS = "torch.compile", "torch_compile_kwargs"   # comfy_api.torch_helpers' wrapper key
 _STORE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 log = logging.getLogger("sdslim")
-
-
-class SlimError(ValueError):
-    """The MODEL or the adapter file cannot be slimmed; the message says which key and why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +52,7 @@ class SlimInfo:
     space: object = None               # lora_slim.SlimSpace of the folded adapters (None: LoRAs cannot be converted)
     distance: object = None            # fingerprint.Distance of the folded weights from the adapters' base, if known
     record: dict = dataclasses.field(default_factory=dict)   # the sdslim.* metadata a saved file of it carries
+    source_dtype: object = None        # the dtype its weights were stored in (a file's, or seen in them); None: unknown
 
 
 GGUF_INSTEAD = ("Slim the model's original .safetensors and write it as GGUF once instead: `sdslim slim --ckpt "
@@ -95,6 +94,17 @@ def check_gguf(unet: torch.nn.Module) -> None:
                             "ComfyUI-GGUF model). Slim UNet folds plain weights: folding dequantised GGUF weights "
                             "and quantising the folded layers again would stack two quantisation errors, and the "
                             "K-quants most GGUF files use have no quantiser outside llama.cpp. " + GGUF_INSTEAD)
+
+
+def source_dtype(weights) -> torch.dtype | None:
+    """The dtype a UNet's ``weights`` were stored in, as far as they tell: the dtype its matrices are held in when it
+    takes 2 bytes or less (fp16/bf16, or fp8 when loaded as such), else the 16-bit dtype they are exact in (an fp16
+    file loaded as float32 on a CPU), else None (unknown)."""
+    mats = [w for w in weights if w.dim() >= 2 and w.is_floating_point()]
+    if not mats:
+        return None
+    held = collections.Counter(w.dtype for w in mats).most_common(1)[0][0]
+    return held if held.itemsize <= 2 else quant.exact_dtype(mats)
 
 
 def check_weights(kp: dict) -> None:
@@ -289,7 +299,7 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     aset.check_model(shapes, family)
 
     site_tensors = site_tensors or (lambda s: aset.sites[s])
-    device = model.load_device if getattr(model.load_device, "type", "cpu") == "cuda" else torch.device("cpu")
+    device = torch.device(model.load_device)     # folded where ComfyUI computes patches; the adapters follow
     used: set = set()
     get, peek = merged_getter(kp, device, used), merged_getter(kp, device, set())
     meter = distance_meter(aset)
@@ -327,7 +337,8 @@ def slim_patcher(model, aset: "adapters.AdapterSet", progress=None, site_tensors
     new_base.sdslim_info = SlimInfo(family=family, adapters=aset.source, ranks=aset.ranks(), full_shapes=shapes,
                                     slim_keys=frozenset(slim_keys),
                                     space=lora_slim.SlimSpace(aset, shapes, site_tensors),
-                                    distance=meter.result() if meter is not None else None)
+                                    distance=meter.result() if meter is not None else None,
+                                    source_dtype=source_dtype(v[0][0] for v in kp.values()))
     report_distance(new_base.sdslim_info.distance)
 
     out = model.clone()

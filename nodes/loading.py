@@ -18,7 +18,7 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 
-from sdslim_core import layout
+from sdslim_core import layout, tiny
 from sdslim_core.io import slim_checkpoint
 from sdslim_core.io.tensors import LazyStateDict
 from sdslim_core.ops import lora_slim
@@ -49,6 +49,9 @@ def load(path: str) -> tuple:
 def _model(path: str, sd: dict, metadata: dict):
     """ComfyUI's BaseModel and ModelPatcher over the slim UNet of ``sd``, marked slim with the file's adapters."""
     config = comfy.model_detection.model_config_from_unet(sd, UNET_PREFIX, metadata=metadata)
+    if config is None and tiny.META["schedule"] in metadata:
+        raise folding.SlimError(f"sdslim: {path} is a slim file of the tiny demo model, which ComfyUI's loaders cannot "
+                                "read: use Load Tiny Demo Model and Slim UNet instead")
     if config is None:
         raise folding.SlimError(f"sdslim: {path}: ComfyUI does not recognise this UNet (SD1.x/SD2.x/SDXL expected)")
     weight_dtype = None if config.scaled_fp8 is not None else comfy.utils.weight_dtype(sd, UNET_PREFIX)
@@ -85,7 +88,8 @@ def _model(path: str, sd: dict, metadata: dict):
     base.sdslim_info = folding.SlimInfo(family=meta["sdslim.family"], adapters=paths.adapter_origin(path, meta),
                                         ranks=ranks, full_shapes=full, slim_keys=frozenset(slim_keys),
                                         space=lora_slim.DeferredSlimSpace(ranks, space),
-                                        record={k: v for k, v in meta.items() if k != slim_checkpoint.ADAPTER_KEY})
+                                        record={k: v for k, v in meta.items() if k != slim_checkpoint.ADAPTER_KEY},
+                                        source_dtype=comfy.utils.weight_dtype(sd, UNET_PREFIX))
     patcher = comfy.model_patcher.ModelPatcher(base, load_device=load_device, offload_device=mm.unet_offload_device())
     patcher.__class__ = patches.slim_class(type(patcher))
     monitor.install(patcher)

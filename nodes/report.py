@@ -1,6 +1,7 @@
 """Text of the VRAM Report and UNet Breakdown nodes (ComfyUI objects are passed in, nothing is changed)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -84,13 +85,12 @@ def sampling_lines(record: dict) -> list[str]:
     return [head, f"  CPU: no VRAM peak; process RSS after sampling {format_bytes(record.get('rss_after'))}"]
 
 
-def slim_ratio(patcher) -> float:
-    """Mean rank/width over the slimmed sites (0 for an original model), for the estimator."""
-    info = getattr(patcher.model, "sdslim_info", None)
-    if info is None or not info.ranks:
-        return 0.0
-    widths = {s.name: s.width for s in layout.sites(info.full_shapes)}
-    return sum(r / widths[s] for s, r in info.ranks.items()) / len(info.ranks)
+def unet_config(patcher, shapes: dict) -> layout.UNetConfig:
+    """The :class:`~sdslim_core.layout.UNetConfig` of a MODEL's UNet of canonical ``shapes`` (its head count from
+    ComfyUI's own config, which the shapes do not hold)."""
+    own = getattr(getattr(patcher.model, "model_config", None), "unet_config", None) or {}
+    heads = {k: v for k, v in own.items() if k in ("num_heads", "num_head_channels") and isinstance(v, int) and v > 0}
+    return layout.config_from_state_dict(shapes, heads)
 
 
 def precision_of(dtype) -> str:
@@ -100,19 +100,24 @@ def precision_of(dtype) -> str:
 
 
 def estimate_jobs(models, width: int, height: int) -> list:
-    """``[(name, Settings, baseline)]`` for the sampling estimate of ``models`` = [(label, MODEL)]: one curve per
-    distinct (family, weight size, slim ratio); an original model is estimated once however many inputs show it."""
+    """``[(name, Settings, baseline)]`` for the sampling estimate of ``models`` = [(label, MODEL)]: the UNet each
+    MODEL really has (its own config; a slim MODEL's own ranks, site by site, as ``sdslim vram estimate --ckpt``
+    reads them from a slim file), one curve per distinct UNet and weight size; the original of a slim MODEL is
+    estimated too, once however many inputs show it."""
     from sdslim_core.vram.settings import Settings
     side = max(64, int(round(math.sqrt(width * height) / 8)) * 8)
     jobs, seen = [], {}
     for label, m in models:
-        _, _, family = unet_shapes(m)
-        precision, ratio = precision_of(m.model_dtype()), round(slim_ratio(m), 3)
-        base = Settings(arch=family, resolution=side, precision=precision, sampling=True)
-        original = f"{family} original ({str(m.model_dtype()).replace('torch.', '')})"
-        slim = [(f"{label} slim {ratio:g}", replace(base, slim_ratio=ratio))] if ratio else []
+        current, full, family = unet_shapes(m)
+        dtype = str(m.model_dtype()).replace("torch.", "")
+        cfg = layout.diffusers_config(unet_config(m, full or current))
+        base = Settings(arch=family, resolution=side, precision=precision_of(m.model_dtype()), sampling=True,
+                        unet_config=cfg)
+        original = f"{family} original ({dtype})"
+        ranks = dict(m.model.sdslim_info.ranks) if full is not None else {}
+        slim = [(f"{label} slim ({len(ranks)} sites at its ranks)", replace(base, slim_ranks=ranks))] if ranks else []
         for name, settings in [(original, base)] + slim:
-            key = (settings.arch, settings.precision, settings.slim_ratio)
+            key = (settings.precision, json.dumps(cfg, sort_keys=True), json.dumps(settings.slim_ranks, sort_keys=True))
             if key not in seen:
                 seen[key] = name
                 jobs.append((name, settings, original))

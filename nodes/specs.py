@@ -11,6 +11,7 @@ from typing import Callable
 
 CATEGORY = "sdslim"
 DESTINATIONS = ("checkpoints", "output")     # where Save Slim Checkpoint writes
+SAVE_DTYPES = ("source", "fp16", "bf16", "fp8_e4m3fn", "as held")   # its storage dtype; the first is the default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +56,16 @@ class NodeSpec:
     category: str = CATEGORY
 
     def run(self, **inputs) -> Result:
+        """Run the node; what a user can trigger (bad input, a missing file or package, an existing output) is
+        raised as one ``sdslim.SlimError`` with the core's message (``errors.reworded``)."""
         actions = importlib.import_module(__package__ + ".actions")
-        return getattr(actions, self.action)(**inputs)
+        errors = importlib.import_module(__package__ + ".errors")
+        try:
+            return getattr(actions, self.action)(**inputs)
+        except errors.SlimError:
+            raise
+        except errors.USER_ERRORS as err:
+            raise errors.reworded(err) from err
 
 
 RECIPES = ("full", "quick", "data-free")     # sdslim_core.train.recipes.CHOICES (kept torch-free here)
@@ -125,14 +134,19 @@ SAVE_SLIM = NodeSpec(
     "Writes a slim MODEL (with the LoRAs on it) and, when connected, its CLIP and VAE as a slim checkpoint that "
     "Load Slim Checkpoint reads, like ComfyUI's Save Checkpoint. The file records its adapter file by sha256 (a "
     "LoRA after it finds the file in models/sdslim); embed_adapters stores them in it instead (fp16, one file to "
-    "share). Written atomically; an existing file is kept unless overwrite is on.",
+    "share). Stored in the source's dtype (fp16 where unknown), not the one ComfyUI computes in, so the file is "
+    "smaller than its source. Written atomically; an existing file is kept unless overwrite is on.",
     (In("model", "MODEL", tooltip="a slim MODEL: from Slim UNet, Load Slim Checkpoint or Load Slim GGUF's fp16 path"),
      In("filename", "STRING", "slim/my_model_slim", tooltip="file name (subfolders allowed); .safetensors added"),
      In("destination", "COMBO", options=lambda: list(DESTINATIONS),
         tooltip="models/checkpoints (Load Slim Checkpoint lists it) or ComfyUI's output folder"),
      In("overwrite", "BOOLEAN", False, tooltip="replace an existing file of that name"),
      In("embed_adapters", "BOOLEAN", False, tooltip="store the adapter tensors in the file (fp16)"),
-     In("clip", "CLIP", optional=True), In("vae", "VAE", optional=True)),
+     In("clip", "CLIP", optional=True), In("vae", "VAE", optional=True),
+     In("dtype", "COMBO", options=lambda: list(SAVE_DTYPES), optional=True,
+        tooltip="storage dtype: source = what the checkpoint was stored in (fp16 where unknown); fp16/bf16: the "
+                "whole file; fp8_e4m3fn: the UNet's matrices (the rest fp16); as held: as ComfyUI holds it (fp32 "
+                "on a CPU, the largest file)")),
     (),
     "save_slim_checkpoint", output_node=True)
 
@@ -148,6 +162,11 @@ SAVE_GGUF = NodeSpec(
      In("embed_adapters", "BOOLEAN", False, tooltip="store the adapter tensors in the file (Q8_0)")),
     (),
     "save_slim_gguf", output_node=True)
+
+def _adapter_dtypes() -> list:
+    from sdslim_core.io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
+    return [DEFAULT_FILE_DTYPE] + [name for name in FILE_DTYPES if name != DEFAULT_FILE_DTYPE]
+
 
 TRAIN = NodeSpec(
     "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
@@ -173,7 +192,13 @@ TRAIN = NodeSpec(
                 "(seconds, uniform ranks at 'ratio', the lowest fidelity; no conditioning needed)"),
      In("start_from", "COMBO", options=lambda: [NO_START] + _adapter_files(), optional=True,
         tooltip="start from adapters made for the model this MODEL derives from (a fine-tune, a merge): their "
-                "sites and ranks, refit on this MODEL with a short stage 2 ('steps'; recipe quick: none)")),
+                "sites and ranks, refit on this MODEL with a short stage 2 ('steps'; recipe quick: none)"),
+     In("overwrite", "BOOLEAN", False, optional=True,
+        tooltip="replace an adapter file of that name that training finished before (a cancelled run resumes "
+                "either way)"),
+     In("adapter_dtype", "COMBO", options=_adapter_dtypes, optional=True,
+        tooltip="storage dtype of the adapter file: fp16 (half the bytes of fp32, the same slim model to a cosine "
+                "of 1.0000000), bf16, or fp32; training itself runs in fp32")),
     (Out("STRING", "report"),),
     "train", output_node=True)
 

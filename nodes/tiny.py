@@ -53,6 +53,7 @@ def model(tensors: dict, pipe: tiny.TinyPipeline):
     config = comfy.supported_models.SD15(comfy.model_detection.detect_unet_config(sd, UNET_PREFIX))
     config.latent_format = comfy.latent_formats.SD15(scale_factor=pipe.scaling_factor)
     config.sdslim_latent_size = pipe.latent_size          # read by Train Slim Adapters (its native calibration size)
+    config.sdslim_tiny = True                             # read by the Save nodes, which refuse it
     load_device, offload_device = mm.get_torch_device(), mm.unet_offload_device()
     n_params = comfy.utils.calculate_parameters(sd, UNET_PREFIX)
     dtype = mm.unet_dtype(model_params=n_params, supported_dtypes=config.supported_inference_dtypes)

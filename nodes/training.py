@@ -12,8 +12,10 @@ import folder_paths
 
 from sdslim_core import layout
 from sdslim_core.hosts import comfyui_conditioning
+from sdslim_core.io.files import refuse_existing
 
 from . import folding, paths, specs
+from .errors import SlimError
 
 
 def calibration_conditioning(positive=None, negative=None, clip=None, prompts: str = ""):
@@ -54,27 +56,30 @@ def native_latent_size(model) -> int | None:
 
 
 def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-        latent_size=0, negative=None, recipe="full", start_from=None) -> str:
+        latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False, adapter_dtype=None) -> str:
     """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report.
 
     ``recipe``: full, quick or data-free (``sdslim_core.train.recipes``); ``start_from``: an adapter file of
-    models/sdslim made for the model this one derives from (refit). Calibration runs at ``latent_size`` (0: the
+    models/sdslim made for the model this one derives from (refit); ``adapter_dtype``: the file's storage dtype
+    (fp16, bf16, fp32; None: the default). Calibration runs at ``latent_size`` (0: the
     model's native size). The work folder (calibration data, checkpoints) lives in ``sdslim_work/`` beside
     ``models/sdslim`` and is removed once the file is written; an interrupted run keeps it and resumes from it."""
     try:
         from sdslim_core.train import TrainConfig, recipes, train_adapters
     except ImportError as err:
-        raise RuntimeError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
+        raise SlimError(f"sdslim: training needs '{err.name}' in ComfyUI's Python "
                            f"(pip install -r requirements.txt): {err}") from None
     out = paths.output_path(folder_paths, filename)
+    refuse_existing(out, overwrite)                 # before any work, and again when the file is written
     recipe = recipe or "full"
     start = paths.resolve(folder_paths, start_from) if start_from and start_from != specs.NO_START else None
+    stored = {"adapter_dtype": adapter_dtype} if adapter_dtype else {}
     if recipe == "data-free":
         if start is not None or (budget and budget.strip()):
             raise ValueError("sdslim: the data-free recipe takes only 'ratio' (no budget, no start_from): it "
                              "measures nothing")
         weights, cfg = teacher(model)
-        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio), out)
+        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio, **stored), out, overwrite=overwrite)
         return recipes.data_free_text(aset, out, seconds)
     calib, notes = comfyui_conditioning.calibration(*calibration_conditioning(positive, negative, clip, prompts))
     bar = comfy.utils.ProgressBar(1)
@@ -87,11 +92,12 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     weights, cfg = teacher(model)
     options: dict = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
     options.update(recipes.host_overrides(recipe, steps, start))
+    options.update(stored)
     size = int(latent_size or 0) or native_latent_size(model)
     if size:
         options["latent_size"] = size
     work = paths.work_dir(folder_paths, out)
     result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", seed=seed,
-                            device=str(model.load_device), work_dir=work, **options)
+                            device=str(model.load_device), work_dir=work, overwrite=overwrite, **options)
     shutil.rmtree(work, ignore_errors=True)
     return "\n".join([f"adapters written to {out}", *notes, "", str(result.report)])

@@ -590,10 +590,6 @@ def test_report_sections(pack, model):
     assert lines[1].startswith("CPU only") and "RAM total" in lines[2]
     assert pack.report.loaded_models_lines(mm) == ["loaded models:", "  none"]
     assert files.format_bytes(3 * 2 ** 30) == "3.00 GiB" and files.format_bytes(5 * 2 ** 20) == "5.0 MiB"
-    sites = {s.name: s.width for s in layout.sites(weights)}
-    ranks = slim.model.sdslim_info.ranks
-    assert pack.report.slim_ratio(slim) == pytest.approx(sum(r / sites[s] for s, r in ranks.items()) / len(ranks))
-    assert pack.report.slim_ratio(patcher) == 0.0
 
 
 def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
@@ -606,13 +602,34 @@ def test_vram_estimate_counts_the_model_dtype_once_per_curve(pack, model):
     for m in (patcher, slim):
         m.model_dtype = lambda: torch.float16                      # as ComfyUI keeps SD on a GPU
     jobs = pack.report.estimate_jobs([("model", slim), ("model_b", patcher)], 64, 64)
-    assert [(n, s.precision, s.slim_ratio, base) for n, s, base in jobs] == [
-        ("sd15 original (float16)", "full-bf16", 0.0, "sd15 original (float16)"),
-        (f"model slim {round(pack.report.slim_ratio(slim), 3):g}", "full-bf16", round(pack.report.slim_ratio(slim), 3),
-         "sd15 original (float16)")]
+    n_sites = len(slim.model.sdslim_info.ranks)
+    assert [(n, s.precision, bool(s.slim_ranks), base) for n, s, base in jobs] == [
+        ("sd15 original (float16)", "full-bf16", False, "sd15 original (float16)"),
+        (f"model slim ({n_sites} sites at its ranks)", "full-bf16", True, "sd15 original (float16)")]
     text = "\n".join(pack.report.estimate_lines(jobs[:1], 64, 64, 1))
     assert "2-byte weights" in text and "adamw" not in text and "fit:" not in text, text
-    assert "frozen 1.60" in text, text                             # SD1.5's 859.5 M weights × 2 bytes
+    n_params = sum(v.numel() for v in weights.values())
+    assert f"{n_params:,} UNet parameters" in text, text           # this MODEL's UNet, not a published one
+
+
+def test_vram_estimate_builds_the_unet_each_model_really_has(pack, model):
+    """The estimate of a slim MODEL runs the UNet of its own ranks, site by site (not an average ratio): the UNet
+    the estimator builds from the job has exactly the slim MODEL's shapes, and the original's job the original's."""
+    from sdslim_core.vram import harness
+    patcher, weights = model
+    aset = _aset(weights, 0.5)
+    sites = list(aset.sites)
+    aset.sites[sites[0]] = {k: v[: max(1, v.shape[0] // 3)] if k != "up" else v[:, : max(1, v.shape[1] // 3)]
+                            for k, v in aset.sites[sites[0]].items()} if aset.kind(sites[0]) == "ff" else \
+        aset.sites[sites[0]]                        # uneven ranks: an average ratio could not give these shapes
+    slim = pack.folding.slim_patcher(patcher, aset)
+    jobs = pack.report.estimate_jobs([("model", slim)], 64, 64)
+    assert len(jobs) == 2
+    for (_, settings, _), m in zip(jobs, (patcher, slim)):
+        with torch.device("meta"):
+            built = harness.build_model(settings)
+        built_shapes = {k: tuple(v.shape) for k, v in layout.to_canonical(built.state_dict())[0].items()}
+        assert built_shapes == {k: tuple(v.shape) for k, v in m.model.diffusion_model.state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------------- GGUF
@@ -737,9 +754,10 @@ def test_damaged_files_are_left_out_of_every_list_and_never_fail_it(pack, tmp_pa
 # ------------------------------------------------------------------------------------------------ training
 
 def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
-    """The Train node's 'recipe' and 'start_from' inputs: data-free writes the weight-norm selection (computed here
-    on the patcher's own weights, without the node) with the MODEL's fingerprint; a refit from it keeps its sites
-    and ranks and trains only a short stage 2."""
+    """The Train node's 'recipe', 'start_from' and 'adapter_dtype' inputs: data-free writes the weight-norm
+    selection (computed here on the patcher's own weights, without the node) with the MODEL's fingerprint, stored
+    fp16 unless asked for fp32; a refit from the fp16 file keeps its sites and ranks and trains only a short
+    stage 2."""
     import importlib
     from sdslim_core.ops import fingerprint
     training = importlib.import_module("sdslim_nodes_under_test.training")
@@ -749,22 +767,26 @@ def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
     (tmp_path / "sdslim").mkdir()
     node = pack.v1.node_class(pack.specs.TRAIN).INPUT_TYPES()["optional"]
     assert node["recipe"][0] == ["full", "quick", "data-free"] and node["start_from"][0] == ["(none)"]
+    assert node["adapter_dtype"][0] == ["fp16", "bf16", "fp32"]              # the first is the default
     patcher, weights = model
     canon, _, _ = layout.to_canonical(weights)
-    text = training.run(patcher, "df", ratio=0.5, steps=1, seed=0, recipe="data-free")
-    assert "lowest fidelity" in text
-    got = adapters.AdapterSet.load(tmp_path / "sdslim" / "df.safetensors")
     want = adapters.AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(layout.sites(canon), 0.5), "sd15")
-    assert got.ranks() == want.ranks()
-    assert all(torch.equal(got.sites[s][k].double(), want.sites[s][k].double()) for s in want.sites
-               for k in want.sites[s])
+    for name, dtype in (("df32", "fp32"), ("df", None)):
+        text = training.run(patcher, name, ratio=0.5, steps=1, seed=0, recipe="data-free", adapter_dtype=dtype)
+        assert "lowest fidelity" in text
+        got = adapters.AdapterSet.load(tmp_path / "sdslim" / f"{name}.safetensors")
+        stored = torch.float32 if dtype == "fp32" else torch.float16
+        assert got.ranks() == want.ranks()
+        assert all(t.dtype == stored for site in got.sites.values() for t in site.values())
+        assert all(torch.equal(got.sites[s][k].double(), want.sites[s][k].to(stored).double()) for s in want.sites
+                   for k in want.sites[s])
     meter = fingerprint.DistanceMeter(got.metadata["sdslim.base"])
     for site in got.sites:
         for key in fingerprint.site_keys(site, got.kind(site)):
             meter.add(site, key, canon[key])
     assert meter.result().overall < 1e-6
     node = pack.v1.node_class(pack.specs.TRAIN).INPUT_TYPES()["optional"]
-    assert node["start_from"][0] == ["(none)", "df.safetensors"]
+    assert node["start_from"][0] == ["(none)", "df.safetensors", "df32.safetensors"]
     g = torch.Generator().manual_seed(0)
     positive = [[torch.randn(1, 77, 64, generator=g), {}]]
     text = training.run(patcher, "refit", ratio=0.5, steps=2, seed=0, positive=positive, latent_size=4,
@@ -773,3 +795,106 @@ def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
     assert refit.ranks() == got.ranks() and refit.metadata["sdslim.train"]["steps"] == {"stage1_per_site": 0,
                                                                                        "stage2": 2}
     assert "adapters written to" in text
+
+
+# --------------------------------------------------------------------------------------- example workflows
+
+LORA_LOADERS = {"LoraLoader", "LoraLoaderModelOnly"}
+
+
+def _model_chain(graph: dict, node_id: str) -> list:
+    """Class types on the MODEL path into ``node_id``, from it back to the loader."""
+    chain = []
+    while node_id is not None:
+        node = graph[node_id]
+        chain.append(node["class_type"])
+        link = node["inputs"].get("model")
+        node_id = link[0] if isinstance(link, list) else None
+    return chain
+
+
+@pytest.mark.parametrize("save, load, suffix, folder, name_input", [
+    ("save_slim_checkpoint", "slim_checkpoint_lora", ".safetensors", "checkpoints", "ckpt_name"),
+    ("save_slim_gguf", "slim_gguf_lora", ".gguf", "diffusion_models", "unet_name")])
+def test_each_save_workflow_writes_the_file_its_load_workflow_loads(pack, tmp_path, save, load, suffix, folder,
+                                                                    name_input):
+    """The pair in sequence, as docs/comfyui.md tells it: the file the save workflow's node writes (its own target
+    rule, a real slim file written there) is the one the load workflow names (the Load node's own list and
+    lookup, subfolder included), and the LoRA is applied once over the two."""
+    import json
+
+    from sdslim_core import tiny
+    from sdslim_core.apps.slim import slim_checkpoint
+    if suffix == ".gguf":
+        pytest.importorskip("gguf")
+    saving = importlib.import_module(pack.specs.__package__ + ".saving")
+    api = os.path.join(ROOT, "example_workflows", "api")
+    save_graph, load_graph = (json.load(open(os.path.join(api, f"{n}.json"))) for n in (save, load))
+    (save_id,) = [k for k, v in save_graph.items() if v["class_type"].startswith("SdslimSave")]
+    (load_id,) = [k for k, v in load_graph.items() if v["class_type"].startswith("SdslimLoad")]
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    root = tmp_path / folder
+    fp.folder_names_and_paths[folder] = ([str(root)], {".safetensors", ".gguf"} if suffix == ".gguf" else
+                                         {".safetensors"})
+    inputs = save_graph[save_id]["inputs"]
+    assert inputs.get("destination", "checkpoints") == "checkpoints"
+    path = saving.target(str(root), inputs["filename"], suffix, inputs["overwrite"])
+    slim_checkpoint(tiny.DEFAULT_PATH, tiny.DEFAULT_PATH.parent / "tiny_sd15_slim_half.safetensors", path,
+                    quant=inputs["quant"] if suffix == ".gguf" else None)
+    name = load_graph[load_id]["inputs"][name_input]
+    listed = pack.paths.slim_ggufs(fp) if suffix == ".gguf" else pack.paths.slim_checkpoints(fp)
+    assert listed == [name], (listed, name)
+    found = pack.paths.resolve_gguf(fp, name) if suffix == ".gguf" else fp.get_full_path(folder, name)
+    assert os.path.samefile(found, path)
+    (sampler,) = [k for k, v in load_graph.items() if v["class_type"] == "KSampler"]
+    chain = _model_chain(load_graph, sampler) + _model_chain(save_graph, save_id)
+    assert chain[-1] == "CheckpointLoaderSimple" and len([c for c in chain if c in LORA_LOADERS]) == 1, chain
+
+
+def test_node_errors_are_one_sdslim_error_with_the_cores_message(pack, model, tmp_path):
+    """What a user can trigger reaches ComfyUI as ``sdslim.SlimError`` (the name its error dialog shows), with the
+    core's message; an existing file is refused in the CLI's words, naming the node's overwrite input."""
+    fp = pack.folder_paths
+    fp.folder_names_and_paths.clear()
+    for name in ("sdslim", "checkpoints"):
+        (tmp_path / name).mkdir()
+        fp.folder_names_and_paths[name] = ([str(tmp_path / name)], {".safetensors"})
+    patcher, weights = model
+    _aset(weights, 0.5).save(tmp_path / "sdslim" / "a.safetensors")
+    with pytest.raises(ValueError) as missing:
+        pack.specs.SLIM.run(model=patcher, adapters="gone.safetensors", strength=1.0, enable=True)
+    cls = type(missing.value)
+    assert f"{cls.__module__}.{cls.__qualname__}" == "sdslim.SlimError"
+    assert str(missing.value).startswith("sdslim: adapter file 'gone.safetensors' not found in models/sdslim")
+    (slim,) = pack.specs.SLIM.run(model=patcher, adapters="a.safetensors", strength=1.0, enable=True).values
+    existing = tmp_path / "checkpoints" / "slim" / "mine.safetensors"
+    existing.parent.mkdir()
+    existing.write_bytes(b"mine")
+    with pytest.raises(ValueError) as refused:
+        pack.specs.SAVE_SLIM.run(model=slim, filename="slim/mine", destination="checkpoints", overwrite=False,
+                                 embed_adapters=False)
+    assert type(refused.value) is cls
+    assert str(refused.value) == "sdslim: " + files.OutputExists(existing).message("overwrite")
+    assert existing.read_bytes() == b"mine"
+    with pytest.raises(ValueError, match="dtype 'fp64' is not one of source, fp16"):
+        pack.specs.SAVE_SLIM.run(model=slim, filename="slim/other", destination="checkpoints", overwrite=False,
+                                 embed_adapters=False, dtype="fp64")
+
+
+def test_save_slim_checkpoint_stores_the_dtype_the_source_was_stored_in(pack):
+    """The source's dtype is read off the weights ComfyUI holds (an fp16 file loaded as float32 is exactly fp16),
+    and the node's dtype input maps to the file's dtypes, fp16 where the source's is unknown."""
+    saving = importlib.import_module(pack.specs.__package__ + ".saving")
+    g = torch.Generator().manual_seed(0)
+    trained = [torch.randn(64, 32, generator=g), torch.randn(8, 4, 3, 3, generator=g), torch.randn(64, generator=g)]
+    source_dtype = pack.folding.source_dtype
+    assert source_dtype(trained) is None
+    assert source_dtype([t.half().float() for t in trained]) == torch.float16
+    assert source_dtype([(t * 1e-6).bfloat16().float() for t in trained]) == torch.bfloat16    # not exact in fp16
+    assert source_dtype([t.half() for t in trained]) == torch.float16                           # held as stored
+    assert source_dtype([t.to(torch.float8_e4m3fn) for t in trained[:2]]) == torch.float8_e4m3fn
+    f16, bf16, f8 = torch.float16, torch.bfloat16, torch.float8_e4m3fn
+    assert [saving.storage_dtypes(choice, src) for choice, src in [
+        ("source", None), ("source", bf16), ("source", f8), ("fp16", bf16), ("bf16", None), ("fp8_e4m3fn", bf16),
+        ("as held", f16)]] == [(f16, f16), (bf16, bf16), (f8, f16), (f16, f16), (bf16, bf16), (f8, f16), (None, None)]

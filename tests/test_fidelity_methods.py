@@ -18,7 +18,6 @@ from sdslim_core.train import Calibration, TrainConfig, train_adapters
 from sdslim_core.train.augment import Augmenter
 from sdslim_core.train.calibration import InputBank, unet_call
 from sdslim_core.train.init import obs_keep, obs_order
-from sdslim_core.train.sites import build_student, make_site_adapter
 
 NULL = contextlib.nullcontext
 
@@ -78,8 +77,7 @@ def test_whole_group_bottleneck_keeps_the_teachers_normalisation_exactly():
     for name, groups in (("whole groups", rank_policy.res_groups(64, 8)), ("per channel", 8)):
         tensors = {"down": sel, "norm.weight": block.norm2.weight[idx].detach(),
                    "norm.bias": block.norm2.bias[idx].detach(), "up": sel.T.contiguous()}
-        student = build_student(block, "res", "diffusers",
-                                make_site_adapter("mid", "res", tensors, groups, block.norm2.eps))
+        student, _ = swap.train_site(block, "mid", "res", "diffusers", tensors, groups)
         got = {}
         h1 = student.norm2.register_forward_hook(lambda m, i, o: got.setdefault("s", o))
         h2 = block.norm2.register_forward_hook(lambda m, i, o: got.setdefault("t", o))
@@ -109,7 +107,7 @@ def test_ff_intercept_folds_exactly_into_the_output_bias_with_a_lora_merged_firs
     with torch.no_grad():
         ff.net[2].weight += torch.randn(320, 4, dtype=torch.float64) @ torch.randn(4, m, dtype=torch.float64) * 0.1
     x = torch.randn(5, 320, dtype=torch.float64)
-    student = build_student(ff, "ff", "diffusers", make_site_adapter("f", "ff", t, 0))
+    student, _ = swap.train_site(ff, "f", "ff", "diffusers", t)
     wp, bp, wo, bo = fold.fold_ff(ff.net[0].proj.weight, ff.net[0].proj.bias, ff.net[2].weight, ff.net[2].bias,
                                   t["down_value"], t["down_gate"], t["up"], t["up_bias"])
     v, gate = torch.nn.functional.linear(x, wp, bp).chunk(2, dim=-1)

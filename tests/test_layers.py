@@ -6,7 +6,7 @@ import pytest
 
 CORE = Path(__file__).resolve().parent.parent / "sdslim_core"
 # lower index = lower layer; a module may import its own layer and lower ones
-LAYERS = [{"optional"}, {"layout"}, {"io"}, {"ops"}, {"modules"}, {"tiny", "vram", "text"}, {"train"}, {"apps", "hosts"},
+LAYERS = [{"optional", "devices"}, {"layout"}, {"io"}, {"ops"}, {"modules"}, {"tiny", "vram", "text"}, {"train"}, {"apps", "hosts"},
           {"cli", "ui"}]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 HOSTS = ("comfy", "comfy_api", "comfy_extras", "folder_paths", "server", "nodes", "modules", "scripts")  # ComfyUI, A1111

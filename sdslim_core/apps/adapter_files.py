@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import devices
 from ..io import gguf
-from ..io.adapters import AdapterError, AdapterSet
+from ..io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES, AdapterError, AdapterSet, narrowed
 from ..io.slim_checkpoint import find_adapter_file, read_metadata
 from ..io.tensors import load_file, save_file_atomic
 from ..modules.unet import open_checkpoint
@@ -24,8 +25,10 @@ def find_for_slim(slim_path, folders=()) -> Path:
                              meta.get("sdslim.family"), folders)
 
 
-def checkpoint_distance(ckpt, adapters) -> fingerprint.Distance:
-    """How far ``ckpt``'s weights at the adapter file's sites are from the base it was trained on."""
+def checkpoint_distance(ckpt, adapters, device: str = "cpu") -> fingerprint.Distance:
+    """How far ``ckpt``'s weights at the adapter file's sites are from the base it was trained on (sketched on
+    ``device``)."""
+    dev = devices.resolve(device)
     aset = AdapterSet.load(adapters, lazy=True)
     src = open_checkpoint(ckpt)
     aset.check_model({k: tuple(v) for k, v in src.weights.shapes().items()}, family=src.config.family)
@@ -37,16 +40,17 @@ def checkpoint_distance(ckpt, adapters) -> fingerprint.Distance:
     for site in aset.sites:
         for key in fingerprint.site_keys(site, aset.kind(site)):
             if key in src.weights.file_keys:
-                meter.add(site, key, src.weights[key])
+                meter.add(site, key, src.weights[key].to(dev))
     return meter.result()
 
 
-def add_fingerprint(adapters, base_ckpt, out) -> Path:
+def add_fingerprint(adapters, base_ckpt, out, overwrite: bool = False,
+                    dtype=FILE_DTYPES[DEFAULT_FILE_DTYPE]) -> Path:
     """A copy of the adapter file ``adapters`` at ``out`` with the base fingerprint of ``base_ckpt`` (the model it
-    was trained on) in its ``sdslim.base`` metadata; tensors unchanged. The input is never rewritten (its sha256 is
-    what slim files made with it record)."""
+    was trained on) in its ``sdslim.base`` metadata, its tensors stored as ``dtype``. The input is never rewritten
+    (its sha256 is what slim files made with it record); an existing ``out`` is replaced only with ``overwrite``."""
     out = Path(out)
-    check_output_path(out, adapters, base_ckpt, what="the adapter file")
+    check_output_path(out, adapters, base_ckpt, what="the adapter file", overwrite=overwrite)
     aset = AdapterSet.load(adapters, lazy=True)
     src = open_checkpoint(base_ckpt)
     aset.check_model({k: tuple(v) for k, v in src.weights.shapes().items()}, family=src.config.family)
@@ -55,4 +59,5 @@ def add_fingerprint(adapters, base_ckpt, out) -> Path:
     tensors, meta = load_file(adapters)
     base = dict(aset.metadata.get("sdslim.base") or {})
     base.update(family=src.config.family, sketches=sketches, checkpoint=Path(str(base_ckpt)).name)
-    return save_file_atomic(tensors, out, {**meta, "sdslim.base": base})
+    return save_file_atomic(narrowed(tensors, dtype, str(adapters)), out, {**meta, "sdslim.base": base},
+                            overwrite=overwrite)

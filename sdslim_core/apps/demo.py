@@ -227,9 +227,10 @@ def _run_demo(out: Path, ratio, fast, n_images, sample_steps, seed, train_overri
 def _write_files(out: Path, adapter_path: Path) -> list[dict]:
     """Write what ``sdslim slim`` makes of the tiny teacher with the demo's adapters (the default slim checkpoint,
     and GGUF Q4_0 slim and plain when the gguf package is there) and return every file's size by part, the source
-    first; the embedded-adapters variant's size is the default's plus what ``--embed-adapters`` would add."""
+    first; the embedded-adapters variant's size is the default's plus what ``--embed-adapters`` would add. They are
+    the demo's own files in its own folder, rewritten on every run."""
     rows = [{"file": tiny.DEFAULT_PATH.name, **file_size(tiny.DEFAULT_PATH).to_dict()}]
-    res = slim_checkpoint(tiny.DEFAULT_PATH, adapter_path, out / "tiny_slim.safetensors")
+    res = slim_checkpoint(tiny.DEFAULT_PATH, adapter_path, out / "tiny_slim.safetensors", overwrite=True)
     rows.append({"file": res.out.name, **res.file.to_dict()})
     rows.append({"file": res.out.name + " with --embed-adapters (not written)",
                  **{**res.file.to_dict(), "total": res.file.total + res.embed_bytes, "adapters": res.embed_bytes}})
@@ -238,7 +239,7 @@ def _write_files(out: Path, adapter_path: Path) -> list[dict]:
         _log(f"{why}; skipping them")
         return rows
     for aset_path, name in ((adapter_path, "tiny_slim-Q4_0.gguf"), (None, "tiny-Q4_0.gguf")):
-        res = slim_checkpoint(tiny.DEFAULT_PATH, aset_path, out / name, quant="Q4_0")
+        res = slim_checkpoint(tiny.DEFAULT_PATH, aset_path, out / name, quant="Q4_0", overwrite=True)
         rows.append({"file": name, **res.file.to_dict()})
     return rows
 
@@ -290,7 +291,8 @@ def summary_markdown(s: dict) -> str:
 
 
 def run(args) -> int:
-    summary = run_demo(args.out, ratio=args.ratio, fast=args.fast, sample_steps=args.sample_steps, seed=args.seed)
+    summary = run_demo(args.out, ratio=args.ratio, fast=args.fast, sample_steps=args.sample_steps, seed=args.seed,
+                       train_overrides={"adapter_dtype": args.adapter_dtype})
     if args.json:
         print(json.dumps(summary, default=str))
     return 0

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 
 
-from .. import layout
+from .. import devices, layout
 from ..io.adapters import AdapterSet
 from ..io.sizes import file_size
 from ..io.tensors import FileFormatError, LazyStateDict, read_header
@@ -278,6 +278,7 @@ def evaluate(ckpt, adapters, loras: Sequence = (), seeds: int = 2, steps: int = 
     unknown = sorted(set(compare) - set(COMPARE))
     if unknown:
         raise ValueError(f"--compare: unknown {unknown}; choose from {', '.join(COMPARE)}")
+    device = devices.resolve(device, float64=True)
     t0 = time.perf_counter()
     setup = _Setup(ckpt, prompt, negative, embeddings, guidance, latent_size, device, text_options)
     cfg = setup.cfg

@@ -54,7 +54,7 @@ def ssim(x: torch.Tensor, ref: torch.Tensor, window: int = 11, sigma: float = 1.
     if x.ndim == 3:
         x, ref = x[None], ref[None]
     window = min(window, x.shape[-1], x.shape[-2])
-    coords = torch.arange(window, dtype=torch.float64) - (window - 1) / 2
+    coords = torch.arange(window, dtype=torch.float64, device=x.device) - (window - 1) / 2
     g = torch.exp(-coords ** 2 / (2 * sigma ** 2))
     g = g / g.sum()
     kernel = (g[:, None] * g[None, :]).expand(x.shape[1], 1, window, window)

@@ -22,11 +22,11 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .. import layout
+from .. import devices, layout
 from ..io import gguf
 from ..io.adapter_lookup import HashIndex
 from ..io.adapters import AdapterSet
-from ..io.files import sha256_file
+from ..io.files import refuse_existing, sha256_file
 from ..io.lora_files import MergeReport
 from ..io.sizes import FileSize, file_size
 from ..io.slim_checkpoint import (ADAPTER_KEY, ADAPTER_PREFIX, SlimError, is_slim_checkpoint, read_slim, site_reader,
@@ -128,8 +128,10 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_output_path(out: Path, *inputs, what: str = "the slim checkpoint", suffix: str = ".safetensors"):
-    """SlimError unless ``out`` is a new file name ending in ``suffix``, distinct from every input path."""
+def check_output_path(out: Path, *inputs, what: str = "the slim checkpoint", suffix: str = ".safetensors",
+                      overwrite: bool = False):
+    """SlimError unless ``out`` is a file name ending in ``suffix``, distinct from every input path; OutputExists
+    when it exists and ``overwrite`` is off."""
     for src in inputs:
         if not isinstance(src, Mapping) and _same_file(Path(src), out):
             raise SlimError(f"--out {out} is the input {src}; write {what} to a new file")
@@ -137,6 +139,7 @@ def check_output_path(out: Path, *inputs, what: str = "the slim checkpoint", suf
         raise SlimError(f"--out {out} is a folder; give a {suffix} file name")
     if out.suffix.lower() != suffix:
         raise SlimError(f"--out {out}: {what} is written as {suffix}; use that suffix")
+    refuse_existing(out, overwrite)
 
 
 def _check_gguf(ckpt, quant: str | None, weight_dtype) -> None:
@@ -156,18 +159,19 @@ def _check_gguf(ckpt, quant: str | None, weight_dtype) -> None:
 
 
 def _write(out: Path, entries: list, produce: Callable, meta: dict, quant: str | None, family: str,
-           canonical: Mapping[str, str], adapters: set) -> None:
+           canonical: Mapping[str, str], adapters: set, overwrite: bool) -> None:
     """``entries`` (file key, dtype, shape) to ``out``: a ``.safetensors`` file as they are, or (``quant``) a GGUF
     file of the UNet (``canonical``: file key → canonical key, the GGUF names) and the ``adapters`` keys (embedded
     adapters), with the ``sdslim.*`` metadata; the keys outside the UNet (text encoder, VAE) are not written to a
-    GGUF file, which holds a UNet only, as ComfyUI-GGUF's files do."""
+    GGUF file, which holds a UNet only, as ComfyUI-GGUF's files do. ``overwrite``: whether an existing ``out`` is
+    replaced (else it is refused again at write time)."""
     if quant is None:
-        write_safetensors_streaming(out, entries, produce, meta)
+        write_safetensors_streaming(out, entries, produce, meta, overwrite=overwrite)
         return
     kept = [(canonical.get(k, k), d, s) for k, d, s in entries if k in canonical or k in adapters]
     file_key = {canonical.get(k, k): k for k, _, _ in entries if k in canonical or k in adapters}
     gguf.write_unet(out, kept, adapters, lambda name: produce(file_key[name]), quant, family,
-                    {k: v for k, v in meta.items() if str(k).startswith("sdslim.")})
+                    {k: v for k, v in meta.items() if str(k).startswith("sdslim.")}, overwrite=overwrite)
 
 
 def _lora_meta(loras, applied: str) -> list:
@@ -185,7 +189,7 @@ def embedded_dtype(weight_dtype: torch.dtype | None, shape: tuple) -> torch.dtyp
 def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1.0, device: str = "cpu",
                     progress: Callable[[int, int, str], None] | None = None,
                     embed_adapters: bool = False, weight_dtype: torch.dtype | None = None,
-                    quant: str | None = None) -> SlimResult:
+                    quant: str | None = None, overwrite: bool = False) -> SlimResult:
     """Merge ``loras`` [(path, strength)] into ``ckpt``'s UNet, fold ``adapters`` and write ``out``.
 
     ``ckpt``: an LDM/ComfyUI/diffusers single file or a diffusers folder; ``adapters``: a path or
@@ -201,7 +205,8 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     quantised once from the float32 fold by the gguf package); with ``quant`` and no ``adapters``, the full-size
     UNet (LoRAs merged) is written, unslimmed. An already-slim ``ckpt`` is passed to :func:`apply_loras_to_slim`
     (``adapters`` may then be None). Everything is validated before the first byte is written; the output appears
-    atomically and never replaces the input.
+    atomically and never replaces the input, nor an existing file unless ``overwrite`` (else ``OutputExists``,
+    before any work and again at write time).
     """
     _check_gguf(ckpt, quant, weight_dtype)
     if is_slim_checkpoint(ckpt):
@@ -211,14 +216,15 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         if select != 1.0:
             raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1); --select applies to folding, "
                             "which needs the original checkpoint")
-        return apply_loras_to_slim(ckpt, out, loras, adapters=adapters, device=device, quant=quant)
+        return apply_loras_to_slim(ckpt, out, loras, adapters=adapters, device=device, quant=quant,
+                                   overwrite=overwrite)
     if adapters is None and quant is None:
         raise SlimError(f"{ckpt}: not a slim checkpoint, so folding it needs --adapters")
     t0 = time.perf_counter()
     out = Path(out)
     src = open_checkpoint(ckpt)
     check_output_path(out, src.path, ckpt, what="the GGUF UNet" if quant else "the slim checkpoint",
-                      suffix=".gguf" if quant else ".safetensors")
+                      suffix=".gguf" if quant else ".safetensors", overwrite=overwrite)
     clash = [k for k in src.source if k.startswith(layout.SDSLIM_TENSORS)]
     if clash:
         raise SlimError(f"{src.path}: already holds sdslim tensors ({clash[0]}, …) but is not marked slim")
@@ -284,7 +290,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
     pending: dict[str, torch.Tensor] = {}
     site_cache: dict[str, dict] = {}                  # the site being folded: its adapter tensors (read once)
     done_sites: set[str] = set()
-    dev = torch.device(device)
+    dev = devices.resolve(device)
     touched = merger.touched()
 
     def base(ckey: str) -> torch.Tensor:
@@ -296,8 +302,8 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         if ckey not in canon_shapes:
             return None
         t = base(ckey)
-        t = merger.merge(ckey, t) if ckey in touched else t
-        return t.to(dev, torch.float32) if wide and t.dtype != torch.float64 else t.to(dev)
+        t = t.to(dev, torch.float32) if wide and t.dtype != torch.float64 else t.to(dev)
+        return merger.merge(ckey, t) if ckey in touched else t      # merged on the device: the LoRA follows
 
     def adapter_tensors(site: str) -> dict:
         if site not in site_cache:
@@ -312,8 +318,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
             if ckey not in read:
                 read[ckey] = merged_or_base(ckey)
             return read[ckey]
-        tensors = {k: v.to(dev) for k, v in adapter_tensors(site).items()}
-        folded = fold.fold_site(site, aset.kind(site), get, tensors)
+        folded = fold.fold_site(site, aset.kind(site), get, adapter_tensors(site))   # the adapter follows get's
         if meter is not None:
             for ckey in fold.site_keys(site, aset.kind(site)):
                 meter.add(site, ckey, get(ckey))
@@ -339,7 +344,7 @@ def slim_checkpoint(ckpt, adapters, out, loras: Sequence = (), select: float = 1
         t = base(ckey)
         return (merger.merge(ckey, t, out_dtype=stored[fkey]) if ckey in touched else t).to(stored[fkey])
 
-    _write(out, entries, produce, meta, quant, cfg.family, inverse, set(embedded))
+    _write(out, entries, produce, meta, quant, cfg.family, inverse, set(embedded), overwrite)
     before = sum(math.prod(s) for s in canon_shapes.values())
     after = sum(math.prod(slim[k]) for k in canon_shapes)
     result = SlimResult(out, cfg.family, len(aset.sites), before, after, file_size(out), file_size(src.path),
@@ -376,7 +381,7 @@ def open_slim(path, adapters=None, folders=()) -> SlimView:
 
 
 def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str = "cpu",
-                        quant: str | None = None) -> SlimResult:
+                        quant: str | None = None, overwrite: bool = False) -> SlimResult:
     """Apply ``loras`` [(path, strength)] to an already-slim checkpoint, in slim space, and write ``out``.
 
     Each LoRA is parsed against the original model (``sdslim.unet_config`` and the adapter widths give its
@@ -392,7 +397,7 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
     out = Path(out)
     _check_gguf(ckpt, quant, None)
     check_output_path(out, ckpt, what="the GGUF UNet" if quant else "the slim checkpoint",
-                      suffix=".gguf" if quant else ".safetensors")
+                      suffix=".gguf" if quant else ".safetensors", overwrite=overwrite)
     if not loras and quant is None:
         raise SlimError(f"{ckpt}: already a slim checkpoint (sdslim.slim=1) and no --lora to apply; folding again "
                         "needs the original checkpoint")
@@ -416,7 +421,7 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
         report, full_shapes, n_sites = MergeReport(), canonical_shapes(cfg), len(metadata.get("sdslim.ranks") or {})
     reader = StreamReader(ckpt)
     inverse = {f: k for k, f in file_keys.items()}
-    dev = torch.device(device)
+    dev = devices.resolve(device)
 
     def produce(fkey: str) -> torch.Tensor:
         t = reader[fkey]
@@ -440,7 +445,7 @@ def apply_loras_to_slim(ckpt, out, loras: Sequence, adapters=None, device: str =
         new_meta["sdslim.adapters"] = json.dumps({**(metadata.get("sdslim.adapters") or {}),
                                                   "embedded": gguf.ADAPTER_TYPE})
     entries = [(k, dtype, tuple(shape)) for k, (dtype, shape) in lazy.entries.items()]
-    _write(out, entries, produce, new_meta, quant, cfg.family, inverse, kept)
+    _write(out, entries, produce, new_meta, quant, cfg.family, inverse, kept, overwrite)
     before = sum(math.prod(s) for s in full_shapes.values())
     after = sum(math.prod(lazy.entries[f][1]) for f in file_keys.values())
     return SlimResult(out, cfg.family, n_sites, before, after, file_size(out), file_size(ckpt),

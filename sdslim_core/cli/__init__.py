@@ -9,15 +9,16 @@ import argparse
 import importlib
 import sys
 
-from ..io.files import DiskFullError
+from ..io.files import DiskFullError, OutputExists
 from ..optional import MissingDependency
 
 COMMAND_MODULES = tuple(f"{__name__}.{name}" for name in
                         ("breakdown", "encode", "train", "slim", "lora", "adapters", "evaluate", "vram", "demo",
                           "ui"))
 
-# What a command's bad input (or a full disk) raises; the message is shown as it is (CLI and ``sdslim ui`` alike).
-USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency, DiskFullError)
+# What a command's bad input (a full disk, an output that exists) raises; the message is shown as it is (CLI and
+# ``sdslim ui`` alike).
+USER_ERRORS = (ValueError, FileNotFoundError, MissingDependency, DiskFullError, OutputExists)
 
 
 class CommandImportError(ImportError):

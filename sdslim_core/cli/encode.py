@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..io.files import refuse_existing
+
 
 def read_prompts(prompt_args, prompts_file) -> list[str]:
     """``--prompt`` values, then the lines of ``--prompts FILE`` (blank lines skipped)."""
@@ -35,12 +37,9 @@ def add_text_arguments(p, negative_help="negative prompt: the unconditional bran
 def prompt_encoder(ckpt_path, family: str, args):
     """The checkpoint's :class:`~sdslim_core.text.conditioning.PromptEncoder` on ``args.device`` (``auto``: CUDA
     when there is one)."""
-    import torch
-
+    from .. import devices
     from ..text.conditioning import PromptEncoder
-    device = getattr(args, "device", None) or "cpu"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = devices.resolve(getattr(args, "device", None) or "cpu")
     return PromptEncoder(ckpt_path, family, tokenizer=args.tokenizer, clip_skip=args.clip_skip, device=device)
 
 
@@ -57,18 +56,20 @@ def register(subparsers):
     p.add_argument("--height", type=int, help="SDXL size conditioning (default: 1024)")
     p.add_argument("--device", default="cpu", help="torch device for the text encoders (default cpu)")
     p.add_argument("--out", required=True, help="conditioning file to write (.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     p.add_argument("--json", action="store_true", help="print a summary as one JSON object on stdout")
     p.set_defaults(func=cmd_encode)
 
 
 def cmd_encode(args) -> int:
     from ..modules.unet import open_checkpoint
+    refuse_existing(args.out, args.overwrite)              # before the text encoders are loaded
     texts = read_prompts(args.prompt, args.prompts)
     if not texts:
         raise ValueError("give --prompt TEXT (repeatable) or --prompts FILE")
     family = open_checkpoint(args.ckpt).config.family
     cond = prompt_encoder(args.ckpt, family, args).encode(texts, args.negative, args.width, args.height)
-    path = cond.save(args.out)
+    path = cond.save(args.out, overwrite=args.overwrite)
     summary = {"out": str(path), "family": family, "prompts": len(texts), "tokenizer": cond.info["tokenizer"],
                "shapes": {k: list(v.shape) for k, v in cond.tensors().items()}}
     if args.json:

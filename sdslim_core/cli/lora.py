@@ -10,7 +10,8 @@ from ..io.lora_files import parse_lora_arg
 
 def run(args) -> int:
     path, strength = parse_lora_arg(args.lora)
-    result = convert_lora_for_slim(args.slim, path, args.out, strength, args.adapters, DTYPES.get(args.dtype))
+    result = convert_lora_for_slim(args.slim, path, args.out, strength, args.adapters, DTYPES.get(args.dtype),
+                                   args.device, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -38,9 +39,11 @@ def register(sub):
     c.add_argument("--lora", required=True, metavar="PATH[:STRENGTH]",
                    help="the LoRA for the original model; a strength other than 1 is baked into the file")
     c.add_argument("--out", required=True, help="output .safetensors")
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     c.add_argument("--adapters", help="the adapter file, for a slim checkpoint made with --no-embed-adapters "
                                       "(checked against its recorded sha256)")
     c.add_argument("--dtype", choices=("same",) + tuple(DTYPES), default="same",
                    help="dtype of the written tensors (default: the LoRA's own)")
+    c.add_argument("--device", default="cpu", help="where the conversion computes (e.g. cuda); default cpu")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=run)

@@ -48,9 +48,7 @@ def summary_text(result, loras) -> str:
     lines.append(written)
     src = result.source
     if src is not None and not result.lora_forms:
-        unet = result.file.parts["unet"] / src.parts["unet"] if src.parts["unet"] else float("nan")
-        lines.append(f"source {src.path}: {src.text()}; UNet part {unet:.2f}x, whole file "
-                     f"{result.file.total / src.total:.2f}x")
+        lines.append(f"source {src.path}: {src.text()}; {result.file.ratio_text(src)}")
     if result.sites and result.adapter_bytes:
         lines.append(f"embedded adapters: {format_bytes(result.adapter_bytes)} "
                      f"({result.adapter_bytes / result.file.total:.0%} of the file), so LoRAs can be applied to it "
@@ -80,7 +78,8 @@ def run(args) -> int:
     quant = (args.quant or "Q8_0") if fmt == "gguf" else None
     result = slim_checkpoint(args.ckpt, args.adapters, args.out, loras, select=args.select, device=args.device,
                              progress=_progress(not args.json),
-                             embed_adapters=args.embed_adapters, weight_dtype=weight_dtype, quant=quant)
+                             embed_adapters=args.embed_adapters, weight_dtype=weight_dtype, quant=quant,
+                             overwrite=args.overwrite)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -108,6 +107,7 @@ def register(sub):
                    help="LoRA/LyCORIS/peft file (repeatable; strength default 1.0): merged before folding, or "
                         "applied in slim space to a slim --ckpt")
     p.add_argument("--out", required=True, help="output .safetensors (must differ from --ckpt)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     p.add_argument("--select", type=float, default=1.0,
                    help="fraction of adapter sites to fold, lowest recorded error first (default 1.0: all)")
     embed = p.add_mutually_exclusive_group()

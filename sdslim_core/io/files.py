@@ -24,6 +24,24 @@ class HeaderError(ValueError):
     """The file is not a readable safetensors file (the message says why, without the path)."""
 
 
+class OutputExists(FileExistsError):
+    """An output file exists and replacing it was not asked for: the one message every writer gives, the CLI's and
+    the nodes' alike; ``switch`` names how the host allows replacing (``--overwrite``, a node's ``overwrite``)."""
+
+    def __init__(self, path, switch: str = "--overwrite"):
+        self.path = str(path)
+        super().__init__(self.message(switch))
+
+    def message(self, switch: str) -> str:
+        return f"{self.path} exists and was left as it is; choose another name, or set {switch} to replace it"
+
+
+def refuse_existing(path, overwrite: bool = False) -> None:
+    """:class:`OutputExists` when ``path`` exists (a file, a folder or a link) and ``overwrite`` is off."""
+    if not overwrite and os.path.lexists(path):
+        raise OutputExists(path)
+
+
 class DiskFullError(OSError):
     """A file could not be written for lack of space (or a file-size limit); the message names it and says that
     nothing was written there."""
@@ -54,14 +72,16 @@ def read_raw_header(path) -> tuple[dict, int, int]:
 
 
 @contextlib.contextmanager
-def atomic_path(path, mode: int | None = None) -> Iterator[str]:
+def atomic_path(path, mode: int | None = None, overwrite: bool = True) -> Iterator[str]:
     """Yield a temporary path in ``path``'s folder; on success it replaces ``path`` (``os.replace``), on error it
-    is removed, so ``path`` is either the complete new file or what it was before. The file gets normal
+    is removed, so ``path`` is either the complete new file or what it was before. ``overwrite=False``: an existing
+    ``path`` is refused (:class:`OutputExists`) before the temporary file is made and again before the rename. The file gets normal
     permissions (0666 less the umask) unless ``mode`` is given. A full disk (or quota, or file-size limit) raises
     :class:`DiskFullError` naming ``path``. The temporary name carries this host and process id
     (``.<name>.<random>.<host>-<pid>.tmp``), so one left behind by a killed process is removed by the next write
     of the same file."""
     path = Path(path)
+    refuse_existing(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(path)
     tmp = None
@@ -69,6 +89,7 @@ def atomic_path(path, mode: int | None = None) -> Iterator[str]:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{_host()}-{os.getpid()}.tmp", dir=path.parent)
         os.close(fd)
         yield tmp
+        refuse_existing(path, overwrite)
         if mode is None:
             umask = os.umask(0)
             os.umask(umask)

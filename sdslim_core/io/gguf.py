@@ -157,12 +157,13 @@ def tensor_bytes(shape: Sequence[int], qtype: str) -> int:
 # ---------------------------------------------------------------------------------------------------- writing
 
 def write(path, plans: Sequence[TensorPlan], produce: Callable[[str], torch.Tensor], arch: str,
-          metadata: Mapping | None = None, file_type: str | None = None) -> Path:
+          metadata: Mapping | None = None, file_type: str | None = None, overwrite: bool = True) -> Path:
     """Write a GGUF file whose tensors ``produce(name)`` makes one at a time, each encoded as its plan says.
 
     The header (architecture, quantisation version, ``file_type``, ``metadata`` as strings — JSON where not
     already one —, the ``comfy.gguf.orig_shape`` arrays, the tensor infos) is laid out from the plans alone, so
-    at most one tensor is in memory. The file appears atomically: an error leaves no file and no temporary file.
+    at most one tensor is in memory. The file appears atomically: an error leaves no file and no temporary file;
+    ``overwrite=False`` refuses an existing ``path`` (``OutputExists``) before and after writing.
     """
     gguf = package()
     import numpy as np
@@ -182,7 +183,7 @@ def write(path, plans: Sequence[TensorPlan], produce: Callable[[str], torch.Tens
         else:
             writer.add_tensor_info(p.name, gguf.quants.quant_shape_to_byte_shape(p.rows, qt), np.dtype(np.uint8),
                                    p.nbytes, raw_dtype=qt)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite=overwrite) as tmp:
         try:
             writer.write_header_to_file(path=Path(tmp))
             writer.write_kv_data_to_file()
@@ -195,14 +196,16 @@ def write(path, plans: Sequence[TensorPlan], produce: Callable[[str], torch.Tens
 
 
 def write_unet(path, entries: Sequence[tuple[str, torch.dtype, tuple]], adapters: set,
-               produce: Callable[[str], torch.Tensor], qtype: str, family: str, metadata: Mapping) -> Path:
+               produce: Callable[[str], torch.Tensor], qtype: str, family: str, metadata: Mapping,
+               overwrite: bool = True) -> Path:
     """A UNet as GGUF: ``entries`` [(name, dtype, shape)] in order, canonical UNet keys stored by :func:`plan` in
     ``qtype`` and the names in ``adapters`` (embedded adapters) in :data:`ADAPTER_TYPE`, by the same rules;
     ``general.architecture`` from the ``family``; ``metadata`` plus :data:`QUANT_KEY`."""
     if family not in ARCHITECTURES:
         raise GGUFError(f"family {family!r}: GGUF is written for {', '.join(ARCHITECTURES)} UNets")
     plans = [plan(k, s, ADAPTER_TYPE if k in adapters else qtype) for k, d, s in entries]
-    return write(path, plans, produce, ARCHITECTURES[family], {**metadata, QUANT_KEY: qtype}, file_type=qtype)
+    return write(path, plans, produce, ARCHITECTURES[family], {**metadata, QUANT_KEY: qtype}, file_type=qtype,
+                 overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------------------------------- reading

@@ -37,6 +37,17 @@ class FileSize:
     def to_dict(self) -> dict:
         return {"path": self.path, "total": self.total, **{p: self.parts[p] for p in PARTS}}
 
+    def ratio_text(self, source: "FileSize") -> str:
+        """``UNet part 0.61x, whole file 0.69x``: this file against ``source``, the way ``sdslim slim`` says it."""
+        unet = self.parts["unet"] / source.parts["unet"] if source.parts["unet"] else float("nan")
+        return f"UNet part {unet:.2f}x, whole file {self.total / source.total:.2f}x"
+
+    def with_unet(self, unet_bytes: int, path: str) -> "FileSize":
+        """This file with a UNet part of ``unet_bytes`` instead (its other parts as they are), named ``path``: the
+        source of a slim file written where the source file is not known (ComfyUI's MODEL)."""
+        parts = dict(self.parts, unet=unet_bytes)
+        return FileSize(path, self.total - self.parts["unet"] + unet_bytes, parts)
+
 
 def file_size(path) -> FileSize:
     """The :class:`FileSize` of a ``.safetensors`` or ``.gguf`` file (an adapter file: all adapters), or of a

@@ -101,16 +101,18 @@ def load_file(path) -> tuple[dict, dict]:
     return {k: lazy[k] for k in lazy}, lazy.metadata
 
 
-def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mapping | None = None) -> Path:
+def save_file_atomic(tensors: Mapping[str, torch.Tensor], path, metadata: Mapping | None = None,
+                     overwrite: bool = True) -> Path:
     """Write a safetensors file via a temporary file in the same folder and ``os.replace``
-    (:func:`~sdslim_core.io.files.atomic_path`: a full disk raises its ``DiskFullError``)."""
+    (:func:`~sdslim_core.io.files.atomic_path`: a full disk raises its ``DiskFullError``; ``overwrite=False``: an
+    existing file raises ``OutputExists``); tensors on a GPU are copied to the CPU on the way."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
     path = Path(path)
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-    with atomic_path(path) as tmp:
+    with atomic_path(path, overwrite=overwrite) as tmp:
         try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
         except SafetensorError as err:      # its I/O failures end in "(os error N)": raise that OSError
             code = re.search(r"\(os error (\d+)\)", str(err))
             if code is None:
@@ -125,12 +127,14 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def write_safetensors_streaming(path, entries: Sequence[tuple[str, torch.dtype, tuple]],
-                                produce: Callable[[str], torch.Tensor], metadata: Mapping | None = None) -> Path:
+                                produce: Callable[[str], torch.Tensor], metadata: Mapping | None = None,
+                                overwrite: bool = True) -> Path:
     """Write a ``.safetensors`` file whose tensors are produced one at a time by ``produce(key)``.
 
     ``entries`` gives (key, dtype, shape) of every tensor. Tensors are laid out by decreasing element size (so
     every tensor stays aligned), keeping the given order within a size; ``produce`` is called in that layout
-    order. The file appears atomically (temporary file in the same folder, then ``os.replace``).
+    order. The file appears atomically (temporary file in the same folder, then ``os.replace``); ``overwrite=False``
+    refuses an existing ``path`` before the first tensor is produced and again before the rename.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +149,7 @@ def write_safetensors_streaming(path, entries: Sequence[tuple[str, torch.dtype, 
         header["__metadata__"] = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+    with atomic_path(path, overwrite=overwrite) as tmp, open(tmp, "wb") as fh:
         fh.write(len(raw).to_bytes(8, "little"))
         fh.write(raw)
         for i in order:

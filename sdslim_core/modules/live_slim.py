@@ -117,11 +117,6 @@ def _read(layer: nn.Module, path: str, merge, unmerge, read) -> dict[str, torch.
             unmerge(layer)
 
 
-def _to_device(adapter_set: AdapterSet, device: torch.device) -> AdapterSet:
-    sites = {s: {k: v.to(device) for k, v in t.items()} for s, t in adapter_set.sites.items()}
-    return AdapterSet(adapter_set.family, sites, adapter_set.norm_groups, adapter_set.metadata, adapter_set.source)
-
-
 class LiveSlim:
     """Slim layers installed into one live LDM UNet (``input_blocks``/``middle_block``/``output_blocks``)."""
 
@@ -252,9 +247,7 @@ class LiveSlim:
                     raise SwapError(f"{path} has no {name} for a LoRA delta to go to")
                 dev = torch.device(compute_device) if compute_device is not None else param.device
                 pristine = self._pristine.setdefault((path, name), param.detach().to("cpu", copy=True))
-                entries = [(replace(m, tensors={k: v.to(dev) for k, v in m.tensors.items()}), s, p)
-                           for m, s, p in entries]
-                param.copy_(apply_deltas(pristine.to(dev), entries, out_dtype=param.dtype))
+                param.copy_(apply_deltas(pristine.to(dev), entries, out_dtype=param.dtype))   # the LoRAs follow
         self.lora_key = key
         self.lora_report = LoraReport(len(modules), len(plan), forms, False, time.perf_counter() - t0)
         return self.lora_report
@@ -292,7 +285,7 @@ class LiveSlim:
         self.check(adapter_set)
         paths = self.layer_paths(adapter_set)
         originals = {p: self.unet.get_submodule(p) for p in paths}
-        folded, on_device, full_shapes = {}, {}, {}
+        folded, full_shapes = {}, {}
         try:
             meter = fingerprint.DistanceMeter(adapter_set.metadata.get("sdslim.base") or {})
         except fingerprint.FingerprintError:
@@ -308,9 +301,7 @@ class LiveSlim:
                     meter.add(site, k, v)
                 home = next(iter(weights.values())).device
                 dev = torch.device(compute_device) if compute_device is not None else home
-                if dev not in on_device:
-                    on_device[dev] = _to_device(adapter_set, dev)
-                out = fold.fold_state_dict({k: v.to(dev) for k, v in weights.items()}, on_device[dev], sites=[site])
+                out = fold.fold_state_dict({k: v.to(dev) for k, v in weights.items()}, adapter_set, sites=[site])
                 folded.update({k: v.to(home) for k, v in out.items()})
         norms = [m for p, m in originals.items() if paths[p] == "norm2"]
         norm_cls = type(norms[0]) if norms else nn.GroupNorm

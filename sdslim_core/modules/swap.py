@@ -1,7 +1,8 @@
 """Swapping sites inside a UNet module tree (LDM-style or diffusers), never mutating the input tree.
 
 Two forms of the same computation:
-- train-time: the original layers wrapped with trainable bottleneck adapters (:func:`attach_train_adapters`);
+- train-time: the original layers wrapped with trainable bottleneck adapters (:func:`attach_train_adapters`,
+  one site: :func:`train_site`), the adapters on the device of the layers they wrap;
 - slim: fresh, smaller layers holding the folded weights (:func:`build_slim_module`).
 Both are built on a structural clone that shares every untouched parameter and buffer with the input.
 """
@@ -64,21 +65,23 @@ def clone_sharing(unet: nn.Module) -> nn.Module:
 # --------------------------------------------------------------------------------------- train-time modules
 
 class SiteAdapter(nn.Module):
-    """Trainable tensors of one site, in the adapter-file layout (shared by the wrappers of that site)."""
+    """Trainable tensors of one site, in the adapter-file layout (shared by the wrappers of that site), on
+    ``device`` (default: where ``tensors`` are); :func:`wrap_site` puts them on the device of the layers they wrap."""
 
-    def __init__(self, site: str, kind: str, tensors: Mapping[str, torch.Tensor], groups: int, eps: float = 1e-5):
+    def __init__(self, site: str, kind: str, tensors: Mapping[str, torch.Tensor], groups: int, eps: float = 1e-5,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.site, self.kind = site, kind
         dtype = torch.promote_types(tensors["up"].dtype, torch.float32)
 
         def param(name):
-            return nn.Parameter(tensors[name].detach().to(dtype).clone())
+            return nn.Parameter(tensors[name].detach().to(device=device, dtype=dtype, copy=True))
         if kind == "ff":
             self.down_value, self.down_gate = param("down_value"), param("down_gate")
             self.up_bias = param("up_bias") if "up_bias" in tensors else None
         else:
             self.down = param("down")
-            self.norm = nn.GroupNorm(groups, self.down.shape[0], eps=eps, dtype=dtype)
+            self.norm = nn.GroupNorm(groups, self.down.shape[0], eps=eps, dtype=dtype, device=self.down.device)
             self.norm.weight, self.norm.bias = param("norm.weight"), param("norm.bias")
         self.up = param("up")
 
@@ -155,29 +158,57 @@ class ResUp(nn.Module):
         return self.conv2(torch.einsum("cr,br...->bc...", self.adapter.up.to(h.dtype), h))
 
 
+def layer_device(module: nn.Module) -> torch.device:
+    """The device of a layer's weights (the CPU for a layer without any)."""
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def wrap_site(site_module: nn.Module, site: str, kind: str, naming: str, tensors: Mapping[str, torch.Tensor],
+              groups: int = 0) -> SiteAdapter:
+    """Wrap the layers of ``site_module`` (a FeedForward or ResBlock, ``naming`` ``ldm`` or ``diffusers``) in place
+    with the train-time adapter of ``tensors``, made on the device of the layers it wraps; returns the adapter."""
+    names = layout.FF_LAYERS if kind == "ff" else layout.RES_LAYERS[naming]
+    layer = site_module.get_submodule
+
+    def put(role, new):
+        set_module(site_module, names[role], new)
+    if kind == "ff":
+        a = SiteAdapter(site, kind, tensors, 0, device=layer_device(layer(names["proj"])))
+        put("proj", FFDown(layer(names["proj"]), a))
+        put("out", FFUp(layer(names["out"]), a))
+        return a
+    a = SiteAdapter(site, kind, tensors, groups, eps=layer(names["norm2"]).eps,
+                    device=layer_device(layer(names["conv1"])))
+    put("conv1", ResDown(layer(names["conv1"]), a, spatial=True))
+    put("emb", ResDown(layer(names["emb"]), a, spatial=False))
+    put("norm2", ResNorm(a))
+    put("conv2", ResUp(layer(names["conv2"]), a))
+    return a
+
+
+def train_site(site_module: nn.Module, site: str, kind: str, naming: str, tensors: Mapping[str, torch.Tensor],
+               groups: int = 0) -> tuple[nn.Module, SiteAdapter]:
+    """One site in train-time form: a structural clone of ``site_module`` (its layers shared) wrapped by
+    :func:`wrap_site`; returns (module, adapter). The same computation :func:`attach_train_adapters` inserts."""
+    out = clone_sharing(site_module)
+    return out, wrap_site(out, site, kind, naming, tensors, groups)
+
+
 def attach_train_adapters(unet: nn.Module, adapter_set: AdapterSet) -> tuple[nn.Module, dict[str, SiteAdapter]]:
     """A clone of ``unet`` with the train-time adapters of ``adapter_set`` inserted; returns (module, adapters).
 
-    The original layers are shared (and stay as they are); only adapter parameters are new.
+    The original layers are shared (and stay as they are); only adapter parameters are new, each on the device of
+    the layers it wraps.
     """
     out = clone_sharing(unet)
-    cfg = tree_config(unet) if tree_naming(unet) == "diffusers" else None
+    naming = tree_naming(unet)
+    cfg = tree_config(unet) if naming == "diffusers" else None
     adapters = {}
     for site, tensors in adapter_set.sites.items():
-        kind = adapter_set.kind(site)
-        paths = layer_paths(out, site, kind, cfg)
-        if kind == "ff":
-            a = SiteAdapter(site, kind, tensors, 0)
-            set_module(out, paths["proj"], FFDown(out.get_submodule(paths["proj"]), a))
-            set_module(out, paths["out"], FFUp(out.get_submodule(paths["out"]), a))
-        else:
-            norm2 = out.get_submodule(paths["norm2"])
-            a = SiteAdapter(site, kind, tensors, adapter_set.groups(site), eps=norm2.eps)
-            set_module(out, paths["conv1"], ResDown(out.get_submodule(paths["conv1"]), a, spatial=True))
-            set_module(out, paths["emb"], ResDown(out.get_submodule(paths["emb"]), a, spatial=False))
-            set_module(out, paths["norm2"], ResNorm(a))
-            set_module(out, paths["conv2"], ResUp(out.get_submodule(paths["conv2"]), a))
-        adapters[site] = a
+        module = out.get_submodule(site_path(out, site, cfg))
+        adapters[site] = wrap_site(module, site, adapter_set.kind(site), naming, tensors, adapter_set.groups(site))
     return out, adapters
 
 

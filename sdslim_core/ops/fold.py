@@ -102,13 +102,23 @@ def map_cols(x: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = 
     return out.view((o, r) + tuple(x.shape[2:]))
 
 
+def follow(adapter: Mapping[str, torch.Tensor], like: torch.Tensor) -> dict:
+    """A site's adapter tensors on the device of ``like``, the weight they fold (dtypes kept).
+
+    Adapter tensors are read on the CPU (the file format) while the weights may sit on a GPU: this is the one place
+    that brings them together; a tensor already there is not copied."""
+    return {k: v if v.device == like.device else v.to(like.device) for k, v in adapter.items()}
+
+
 def map_layer(role: str, x: torch.Tensor, adapter: Mapping[str, torch.Tensor], bias: bool = False,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The fold of one layer of a site applied to ``x`` (its weight, bias or any delta of them).
 
     ``role``: ``proj``/``out`` (FF) or ``conv1``/``emb``/``conv2`` (Res); ``adapter``: the site's tensors (any float
-    dtype). The biases of ``out`` and ``conv2`` pass through unchanged. (``norm2`` is replaced, not mapped.)
+    dtype, any device: they are brought to ``x``'s, see :func:`follow`). The biases of ``out`` and ``conv2`` pass
+    through unchanged. (``norm2`` is replaced, not mapped.)
     """
+    adapter = follow(adapter, x)
     if role == "proj":
         return map_geglu_rows(x, adapter["down_value"], adapter["down_gate"], out_dtype)
     if role in ("conv1", "emb"):
@@ -136,12 +146,12 @@ def out_bias_shift(w_o: torch.Tensor, up_bias: torch.Tensor, out_dtype: torch.dt
     """W_o·c: what the FF intercept ``up_bias`` adds to the ``net.2`` bias (linear in W_o, so a LoRA delta ΔW_o of
     net.2 adds ΔW_o·c to the slim bias)."""
     dt = compute_dtype(w_o, up_bias)
-    return (w_o.to(dt) @ up_bias.to(dt)).to(out_dtype or dt)
+    return (w_o.to(dt) @ up_bias.to(w_o.device, dt)).to(out_dtype or dt)
 
 
 def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up, up_bias=None):
     """Return (W'_p, b'_p, W'_o, b'_o) in the dtype of ``w_p``, computed in at least float32."""
-    out, t = w_p.dtype, {"down_value": down_value, "down_gate": down_gate, "up": up}
+    out, t = w_p.dtype, follow({"down_value": down_value, "down_gate": down_gate, "up": up}, w_p)
     if up_bias is None:
         new_bo = None if b_o is None else b_o.clone()
     else:
@@ -154,7 +164,7 @@ def fold_ff(w_p, b_p, w_o, b_o, down_value, down_gate, up, up_bias=None):
 
 def fold_res(w_1, b_1, w_e, b_e, w_2, b_2, down, up):
     """Return (W'_1, b'_1, W'_e, b'_e, W'_2, b'_2); ``w_e`` may be None (no time embedding)."""
-    out, t = w_1.dtype, {"down": down, "up": up}
+    out, t = w_1.dtype, follow({"down": down, "up": up}, w_1)
     new = [None if x is None else map_layer(role, x, t, bias=bias, out_dtype=out)
            for role, x, bias in (("conv1", w_1, False), ("conv1", b_1, True), ("emb", w_e, False),
                                  ("emb", b_e, True), ("conv2", w_2, False))]
@@ -180,8 +190,8 @@ def fold_site(site: str, kind: str, get: Callable[[str], torch.Tensor | None], t
                    get(c2 + ".bias"), tensors["down"], tensors["up"])
     names = (c1 + ".weight", c1 + ".bias", em + ".weight", em + ".bias", c2 + ".weight", c2 + ".bias")
     out = {k: v for k, v in zip(names, new) if v is not None}
-    out[n2 + ".weight"] = tensors["norm.weight"].to(w1.dtype)
-    out[n2 + ".bias"] = tensors["norm.bias"].to(w1.dtype)
+    out[n2 + ".weight"] = tensors["norm.weight"].to(w1.device, w1.dtype)
+    out[n2 + ".bias"] = tensors["norm.bias"].to(w1.device, w1.dtype)
     return out
 
 

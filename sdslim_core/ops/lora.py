@@ -10,6 +10,7 @@ LoHa/LoKr/Tucker weights are rebuilt with lycoris-lora's functional API (importe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable, Mapping, Sequence
 
@@ -238,6 +239,15 @@ def _plain_lora(mod: LoraModule, part: str) -> bool:
     return part == "weight" and mod.kind == "lora" and "mid" not in mod.tensors and mod.dora is None
 
 
+def follow(mod: LoraModule, like: torch.Tensor | torch.device) -> LoraModule:
+    """``mod`` with its tensors on ``like``'s device (the weight it changes) or on the device ``like``; itself when
+    they are there."""
+    device = like.device if isinstance(like, torch.Tensor) else torch.device(like)
+    if all(t.device == device for t in mod.tensors.values()):
+        return mod
+    return dataclasses.replace(mod, tensors={k: v.to(device) for k, v in mod.tensors.items()})
+
+
 def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | None = None,
                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``base`` + each entry's delta, for entries (module, strength, part) of one tensor, computed in ``dtype``
@@ -246,10 +256,11 @@ def apply_deltas(base: torch.Tensor, entries: Iterable, dtype: torch.dtype | Non
     ``base`` is not modified unless it is ``out``: a tensor of its shape that receives the result (in place, with
     no new allocation of the weight's size, when every entry is a plain LoRA). Plain LoRA/LoCon entries with an
     ``out_dtype`` other than the compute dtype go a slab of rows at a time, so the compute-dtype copy of the weight
-    never exists whole (a cast slab stays in cache)."""
+    never exists whole (a cast slab stays in cache). The entries' tensors (read on the CPU) are brought to ``base``'s
+    device (:func:`follow`)."""
     dt = dtype or compute_dtype(base.dtype)
     out_dtype = out.dtype if out is not None else out_dtype or dt
-    entries = list(entries)
+    entries = [(follow(m, base), s, part) for m, s, part in entries]
     if out_dtype != dt and entries and all(_plain_lora(m, part) for m, _, part in entries):
         factors = [(m.tensors["up"].to(dt).flatten(1), m.tensors["down"].to(dt).flatten(1), s * module_scale(m))
                    for m, s, _ in entries]

@@ -6,11 +6,12 @@
   loads it, in memory: :func:`sdslim_core.io.gguf.round_trip` (the writer's per-tensor rules and the gguf package's
   own quantiser and dequantiser; small and 1-D tensors stay F32).
 
-A round trip returns the dequantised tensor in the input's dtype; :func:`storage_bytes` gives the weight bytes.
+A round trip returns the dequantised tensor in the input's dtype; :func:`storage_bytes` gives the weight bytes;
+:func:`exact_dtype` tells which 16-bit dtype a model held wider was stored in.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -48,6 +49,20 @@ def tensor_bytes(t: torch.Tensor, method: str | None) -> int:
     if method == "fp8":
         return t.numel() if t.dim() >= 2 else 2 * t.numel()
     return gguf.tensor_bytes(t.shape, method.upper())
+
+
+def exact_dtype(weights: Iterable[torch.Tensor], candidates: tuple = (torch.float16, torch.bfloat16),
+                sample: int = 4096) -> torch.dtype | None:
+    """The first of ``candidates`` that holds every floating-point tensor of ``weights`` exactly (each checked on
+    its first ``sample`` values), or None. A checkpoint stored in fp16 and loaded as float32 is still exactly
+    fp16: this finds the dtype it was stored in; trained float32 weights are exact in neither."""
+    heads = [t.detach().reshape(-1)[:sample] for t in weights if t.is_floating_point() and t.numel()]
+    if not heads:
+        return None
+    for dtype in candidates:
+        if all(torch.equal(h.to(dtype).to(h.dtype), h) for h in heads):
+            return dtype
+    return None
 
 
 def storage_bytes(weights: Mapping[str, torch.Tensor], method: str | None = None) -> int:

@@ -60,8 +60,8 @@ class Conditioning:
                 out[name] = getattr(self, name)
         return {k: v.contiguous() for k, v in out.items()}
 
-    def save(self, path) -> Path:
-        return save_file_atomic(self.tensors(), path, {META_KEY: json.dumps(self.info)})
+    def save(self, path, overwrite: bool = True) -> Path:
+        return save_file_atomic(self.tensors(), path, {META_KEY: json.dumps(self.info)}, overwrite=overwrite)
 
     @classmethod
     def load(cls, path) -> "Conditioning":

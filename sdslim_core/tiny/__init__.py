@@ -73,8 +73,8 @@ class TinyPipeline:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Scaled latents → images (B,3,H,W) in [0,1]."""
-        return ((self.vae.decode(latents / self.scaling_factor).sample + 1) / 2).clamp(0, 1)
+        """Scaled latents → images (B,3,H,W) in [0,1], on the latents' device (the VAE moves there)."""
+        return ((self.vae.to(latents.device).decode(latents / self.scaling_factor).sample + 1) / 2).clamp(0, 1)
 
     def noise(self, batch: int, seed: int) -> torch.Tensor:
         """Deterministic starting latents for ``batch`` images from ``seed``."""

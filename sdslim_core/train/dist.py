@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .. import optional
+from .. import devices, optional
 
 
 class Topology:
@@ -62,8 +62,4 @@ def topology(device: str = "auto") -> Topology:
         state = accelerate.PartialState(cpu=want_cpu)
         dev = torch.device("cpu") if want_cpu else state.device
         return Topology(state.process_index, state.num_processes, dev, state)
-    if device == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        dev = torch.device(device)
-    return Topology(0, 1, dev)
+    return Topology(0, 1, devices.resolve(device, float64=True))

@@ -40,8 +40,9 @@ from .. import layout
 from ..io import adapters
 from ..io.tensors import load_file, save_file_atomic
 from ..layout import rank_policy
+from ..modules import swap
 from .report import finite
-from .sites import SiteData, build_student, make_site_adapter
+from .sites import SiteData
 
 if TYPE_CHECKING:
     from .calibration import ActivationStore
@@ -363,7 +364,6 @@ class SiteInit:
         self.device, self.dtype, self.amp, self.seed = device, dtype, amp, seed
         self._stats = None
         self._orders = orders          # the site's OBS orders from an earlier phase of the run (the same data)
-        self.norm_eps = site_mod.get_submodule(layout.RES_LAYERS[naming]["norm2"]).eps if site.kind == "res" else 1e-5
 
     @property
     def order_seconds(self) -> float:
@@ -393,9 +393,8 @@ class SiteInit:
         return {k: v.float().cpu().contiguous() for k, v in t.items()}
 
     def error(self, tensors: dict, r: int) -> float:
-        adapter = make_site_adapter(self.site.name, self.site.kind, tensors, _groups(r, self.site.width),
-                                    self.norm_eps).to(self.device)
-        student = build_student(self.site_mod, self.site.kind, self.naming, adapter)
+        student, _ = swap.train_site(self.site_mod, self.site.name, self.site.kind, self.naming, tensors,
+                                     _groups(r, self.site.width))
         err = self.data.eval_error(student, self.device, self.dtype, self.amp)
         return err if math.isfinite(err) else math.inf
 

@@ -16,7 +16,8 @@ import torch
 
 from . import calibration as cal, ranks as ranks_mod, report as report_mod, stage1, stage2
 from .. import layout
-from ..io.adapters import AdapterSet
+from ..io.adapters import AdapterSet, file_dtype
+from ..io.files import refuse_existing
 from .config import TrainConfig
 from .init import initialise
 from .plan import make_plan, replan
@@ -132,8 +133,10 @@ def execute(session: Session) -> TrainResult:
                               guidance=tc.guidance)
     final.metadata = {"sdslim.train": report_mod.train_metadata(report, session, site_err, table),
                       "sdslim.base": base_metadata(session.weights, session.cfg, final, fp["teacher"])}
+    final = final.stored_as(file_dtype(tc.adapter_dtype))       # what the file holds; the work dir keeps float32
     report.out = str(session.out_path)
     if session.topo.main:
+        refuse_existing(session.out_path, session.overwrite)   # one may have appeared while training ran
         final.save(session.out_path)
         plot = session.out_path.with_name(session.out_path.stem + ".errors.png")
         try:
@@ -155,7 +158,8 @@ def plan_run(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibration 
 
 def train_adapters(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibration | None = None,
                    train_cfg: TrainConfig | None = None, out_path=None, progress: Callable | None = None,
-                   resume: bool | str = False, *, out=None, contexts=None, **overrides) -> TrainResult:
+                   resume: bool | str = False, *, out=None, contexts=None, overwrite: bool = True,
+                   **overrides) -> TrainResult:
     """Distil slim adapters from a teacher UNet; returns ``TrainResult(adapters, report)``.
 
     ``unet``: a diffusers ``UNet2DConditionModel`` or LDM ``UNetModel``, a UNet state dict in any naming, or an
@@ -167,6 +171,8 @@ def train_adapters(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibr
     file to write. ``progress(done, total, info)`` is called after every optimizer step (info: stage, loss, site
     or p) and may raise to stop; ``resume=True`` continues from the work dir's checkpoints (a work dir made with
     other settings is an error), ``resume="auto"`` continues when the work dir matches and starts over otherwise.
+    ``overwrite=False``: an adapter file already at ``out_path`` when training ends is refused (``OutputExists``)
+    and the work dir kept; a caller checks it before training too.
     """
     tc = train_cfg or TrainConfig()
     steps = overrides.pop("steps", None)
@@ -194,4 +200,4 @@ def train_adapters(unet, cfg: layout.UNetConfig | None = None, calib: cal.Calibr
     if contexts is not None and calib is None:
         calib = cal.Calibration.from_contexts(contexts)
     weights, cfg = teacher_weights(unet, cfg)
-    return execute(Session(weights, cfg, tc, calib, out_path, progress, resume))
+    return execute(Session(weights, cfg, tc, calib, out_path, progress, resume, overwrite))

@@ -25,11 +25,12 @@ def probe_ids(bank: InputBank, n: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def e2e_error(teacher, aset: AdapterSet, bank: InputBank, ids: torch.Tensor, device, dtype, amp,
               batch: int = 8) -> float:
-    """Relative error of ``teacher`` with ``aset``'s sites in train-time form against the teacher's recorded ε."""
+    """Relative error of ``teacher`` (on ``device``) with ``aset``'s sites in train-time form against the teacher's
+    recorded ε."""
     tree, _ = swap.attach_train_adapters(teacher, aset)
     for p in tree.parameters():
         p.requires_grad_(False)
-    tree = tree.to(device).eval()
+    tree.eval()
     num = den = 0.0
     for i in range(0, ids.numel(), batch):
         b = ids[i:i + batch]

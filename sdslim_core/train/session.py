@@ -75,7 +75,7 @@ class Session:
     is built from them once, kept on the CPU between phases (:attr:`placement`)."""
 
     def __init__(self, weights: Mapping, cfg: layout.UNetConfig, tc: TrainConfig, calib: cal.Calibration | None,
-                 out_path, callback: Callable | None, resume: bool | str):
+                 out_path, callback: Callable | None, resume: bool | str, overwrite: bool = True):
         self.tc, self.cfg, self.weights = tc, cfg, weights
         self.topo = dist.topology(tc.device)
         self.device = self.topo.device
@@ -102,6 +102,7 @@ class Session:
         self.work = WorkDir(self.work_dir, self.topo, self.say)
         self.ckpt_dir = self.work.checkpoints
         self.resume = resume
+        self.overwrite = overwrite                    # False: an adapter file at out_path is refused, not replaced
         self.calib = calib or cal.Calibration.unconditional()
         self.latent_size = tc.latent_size or DEFAULT_LATENT.get(cfg.family, 64)
         self.progress = Progress(callback if self.topo.main or callback is None else None, tc.progress_bar and
@@ -144,11 +145,6 @@ class Session:
 
     def free_device_memory(self):
         free_device_memory(self.device)
-
-    def norm_eps(self, site: str) -> float:
-        if self.site_by_name[site].kind != "res":
-            return 1e-5
-        return self.placement.site(site).get_submodule(layout.RES_LAYERS[self.naming]["norm2"]).eps
 
     def site_data(self, store: cal.ActivationStore, site: str, teacher_site: nn.Module) -> SiteData:
         """``site``'s captured fit/eval data from ``store``, batched for its kind."""

@@ -1,5 +1,4 @@
-"""Site-level pieces of the trainer: the teacher's site modules, per-site students built from ``swap``'s
-train-time wrappers, relative errors, and the Theseus gate (student or teacher, switched per step).
+"""Site-level pieces of the trainer: the teacher's site modules, relative errors, and the Theseus gate (student or teacher, switched per step).
 
 A site's *output* is what its adapter changes: the FeedForward's output for FF sites and the ResBlock's residual
 branch (block output minus the skip path) for Res sites. Relative errors are ||student − teacher|| / ||teacher||
@@ -20,29 +19,6 @@ from ..modules.layers import set_module
 
 def site_module(tree: nn.Module, site: str, cfg: layout.UNetConfig | None = None) -> nn.Module:
     return tree.get_submodule(swap.site_path(tree, site, cfg))
-
-
-def make_site_adapter(site: str, kind: str, tensors: Mapping[str, torch.Tensor], groups: int,
-                      norm_eps: float = 1e-5) -> swap.SiteAdapter:
-    return swap.SiteAdapter(site, kind, tensors, groups, eps=norm_eps)
-
-
-def build_student(teacher_site: nn.Module, kind: str, naming: str, adapter: swap.SiteAdapter) -> nn.Module:
-    """The site in train-time form: a structural clone of ``teacher_site`` whose layers are shared and wrapped
-    with ``swap``'s FFDown/FFUp or ResDown/ResNorm/ResUp around ``adapter`` (the same computation that
-    :func:`swap.attach_train_adapters` inserts into a whole UNet)."""
-    out = swap.clone_sharing(teacher_site)
-    if kind == "ff":
-        proj, o = layout.FF_LAYERS["proj"], layout.FF_LAYERS["out"]
-        set_module(out, proj, swap.FFDown(out.get_submodule(proj), adapter))
-        set_module(out, o, swap.FFUp(out.get_submodule(o), adapter))
-        return out
-    names = layout.RES_LAYERS[naming]
-    set_module(out, names["conv1"], swap.ResDown(out.get_submodule(names["conv1"]), adapter, spatial=True))
-    set_module(out, names["emb"], swap.ResDown(out.get_submodule(names["emb"]), adapter, spatial=False))
-    set_module(out, names["norm2"], swap.ResNorm(adapter))
-    set_module(out, names["conv2"], swap.ResUp(out.get_submodule(names["conv2"]), adapter))
-    return out
 
 
 def res_skip(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -198,9 +174,8 @@ def site_errors(session, store, aset: AdapterSet) -> dict:
     for site in session.owned_sites(aset.sites):
         teacher_site = session.placement.site_on_device(site)
         data = session.site_data(store, site, teacher_site)
-        adapter = make_site_adapter(site, aset.kind(site), aset.sites[site], aset.groups(site),
-                                    session.norm_eps(site)).to(session.device)
-        student = build_student(teacher_site, aset.kind(site), session.naming, adapter)
+        student, adapter = swap.train_site(teacher_site, site, aset.kind(site), session.naming, aset.sites[site],
+                                           aset.groups(site))
         local[site] = data.eval_error(student, session.device, session.compute_dtype, session.amp)
         del data, student, adapter
     session.free_device_memory()

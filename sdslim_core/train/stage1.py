@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from . import checkpoint
 from ..io.adapters import AdapterSet
 from ..io.tensors import load_file, save_file_atomic
+from ..modules import swap
 from .calibration import _gen
 from .fit import FitLoop
-from .sites import build_student, call_site, make_site_adapter
+from .sites import call_site
 
 
 def batch_ids(n: int, bs: int, step: int, keys: tuple) -> torch.Tensor:
@@ -58,9 +59,7 @@ def fit_site(session, store, loop: FitLoop, aset: AdapterSet, site: str, i: int,
     kind = aset.kind(site)
     teacher_site = session.placement.site_on_device(site)
     data = session.site_data(store, site, teacher_site)
-    adapter = make_site_adapter(site, kind, aset.sites[site], aset.groups(site),
-                                session.norm_eps(site)).to(session.device)
-    student = build_student(teacher_site, kind, session.naming, adapter)
+    student, adapter = swap.train_site(teacher_site, site, kind, session.naming, aset.sites[site], aset.groups(site))
     opt = session.make_optimizer(list(adapter.parameters()), tc.lr1)
     bs = tc.ff_batch_tokens if kind == "ff" else tc.res_batch
 

@@ -110,9 +110,7 @@ def build(session, aset: AdapterSet, group: list | None = None, done=()):
     if done:
         done_set = subset(aset, done)
         slim = swap.slim_module(teacher, done_set)
-    tree, adapters, gates = gated_tree(teacher, subset(aset, group), session.cfg)
-    for a in adapters.values():
-        a.to(session.device)
+    tree, adapters, gates = gated_tree(teacher, subset(aset, group), session.cfg)   # adapters on the group's device
     for site in done:
         path = swap.site_path(teacher, site, session.cfg)
         session.placement.offload_site(site)

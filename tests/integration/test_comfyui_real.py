@@ -392,8 +392,9 @@ def test_errors_name_the_file_and_key(comfy, tiny, adapter_dir, tmp_path):
     node = _node(comfy, "SdslimSlimUNet")
     with pytest.raises(ValueError, match=r"sd2\.safetensors.*sd2.*sd15"):
         node.execute(model=patcher, adapters="sd2.safetensors", strength=1.0, enable=True)
-    with pytest.raises(FileNotFoundError, match="gone.safetensors"):
+    with pytest.raises(ValueError, match="gone.safetensors") as missing:     # sdslim.SlimError, not a bare OSError
         node.execute(model=patcher, adapters="gone.safetensors", strength=1.0, enable=True)
+    assert execution_name(type(missing.value)) == "sdslim.SlimError"
     # a quantised weight (GGUF keeps raw uint8 blocks) is refused by key, before anything is built
     quant = patcher.clone()
     key = f"diffusion_model.{FF}.net.2.weight"
@@ -900,6 +901,54 @@ def test_load_slim_checkpoint_finds_its_adapter_file_by_hash_in_models_sdslim(co
     assert str(shelf) in str(err.value)
 
 
+def execution_name(cls) -> str:
+    """The exception's name as ComfyUI's error dialog shows it."""
+    import execution
+    return execution.full_type_name(cls)
+
+
+def test_each_example_save_workflow_writes_what_its_load_workflow_loads(comfy, tiny, intercept_adapters, lora_files,
+                                                                        adapter_dir, tmp_path, monkeypatch):
+    """save_slim_checkpoint → slim_checkpoint_lora in sequence, with the workflows' own file names and widget
+    values (a tiny model for the checkpoint and adapter files they name): the saved file loads under the name the
+    loading workflow gives, and its LoRA, applied once after loading, equals the same LoRA folded in first."""
+    api = os.path.join(ROOT, "example_workflows", "api")
+    save_graph, load_graph = (json.load(open(os.path.join(api, f"{n}.json")))
+                              for n in ("save_slim_checkpoint", "slim_checkpoint_lora"))
+    patcher, _ = tiny
+    ckpts = _tiny_detection(comfy, monkeypatch, tmp_path)
+    (save_id,) = [k for k, v in save_graph.items() if v["class_type"] == "SdslimSaveSlimCheckpoint"]
+    (load_id,) = [k for k, v in load_graph.items() if v["class_type"] == "SdslimLoadSlimCheckpoint"]
+    widgets = {k: v for k, v in save_graph[save_id]["inputs"].items() if not isinstance(v, list)}
+    slim = _slim(comfy, patcher, intercept_adapters)
+    _node(comfy, "SdslimSaveSlimCheckpoint").execute(model=slim, **widgets)
+    name = load_graph[load_id]["inputs"]["ckpt_name"]
+    assert (ckpts / name).is_file()
+    loaded, _, _ = _node(comfy, "SdslimLoadSlimCheckpoint").execute(ckpt_name=name).args
+    (lora_id,) = [k for k, v in load_graph.items() if v["class_type"] == "LoraLoader"]
+    strength = load_graph[lora_id]["inputs"]["strength_model"]
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    (after_load,) = loader.load_lora_model_only(loaded, "lora.safetensors", strength)
+    (before,) = loader.load_lora_model_only(patcher, "lora.safetensors", strength)
+    x, t, ctx = _inputs()
+    torch.testing.assert_close(_run(after_load, x, t, ctx), _run(_slim(comfy, before, intercept_adapters), x, t, ctx),
+                               rtol=2e-2, atol=2e-2)                                       # fp16 storage
+
+
+def test_save_nodes_refuse_the_tiny_demo_model_in_one_sentence(comfy, adapter_dir):
+    """The tiny demo's files are not ComfyUI's: the Save nodes say so (and that Slim UNet is the way), as a
+    sdslim.SlimError, never a bare AttributeError."""
+    model, clip, vae, _ = _node(comfy, "SdslimTinyDemo").execute().args
+    slim = _node(comfy, "SdslimSlimUNet").execute(model=model, adapters="tiny_sd15_slim_half.safetensors",
+                                                  strength=1.0, enable=True).args[0]
+    for node, extra in (("SdslimSaveSlimCheckpoint", {"destination": "output", "clip": clip, "vae": vae}),
+                        ("SdslimSaveSlimGGUF", {"quant": "Q8_0"})):
+        with pytest.raises(ValueError) as refused:
+            _node(comfy, node).execute(model=slim, filename="tiny", overwrite=False, embed_adapters=False, **extra)
+        assert "tiny demo model cannot be saved" in str(refused.value) and str(refused.value).count(". ") == 0
+        assert execution_name(type(refused.value)) == "sdslim.SlimError"
+
+
 def test_save_slim_checkpoint_writes_what_load_slim_checkpoint_reads(comfy, tiny, intercept_adapters, lora_files,
                                                                     adapter_dir, tmp_path, monkeypatch):
     """Slim UNet → a LoRA → Save Slim Checkpoint → Load Slim Checkpoint: the same model, its record, no adapter
@@ -920,14 +969,26 @@ def test_save_slim_checkpoint_writes_what_load_slim_checkpoint_reads(comfy, tiny
     assert json.loads(meta["sdslim.adapters"])["file"] == intercept_adapters
     assert json.loads(meta["sdslim.loras"])[-1]["applied"] == "in slim space"
     assert file_size(path).parts["adapters"] == 0
+    # the default dtype: the source's; these random float32 weights are exact in no 16-bit dtype, so fp16
+    assert {d for k, (d, _) in entries.items() if k.startswith("model.diffusion_model.")} == {torch.float16}
     model, _, _ = _node(comfy, "SdslimLoadSlimCheckpoint").execute(ckpt_name="sub/saved.safetensors").args
     x, t, ctx = _inputs()
-    torch.testing.assert_close(_run(model, x, t, ctx), _run(lora_model, x, t, ctx), rtol=1e-5, atol=1e-6)
-    before = path.stat().st_mtime_ns
-    with pytest.raises(ValueError, match="exists; choose another file name, or set overwrite"):
+    reference = _run(lora_model, x, t, ctx)
+    torch.testing.assert_close(_run(model, x, t, ctx), reference, rtol=2e-2, atol=2e-2)       # fp16 storage
+    assert model.model.sdslim_info.source_dtype == torch.float16                            # the file's
+    held = save.execute(model=lora_model, filename="sub/held", destination="checkpoints", overwrite=False,
+                        embed_adapters=False, dtype="as held")
+    assert "UNet part" in held.ui.as_dict()["text"][0]
+    model, _, _ = _node(comfy, "SdslimLoadSlimCheckpoint").execute(ckpt_name="sub/held.safetensors").args
+    torch.testing.assert_close(_run(model, x, t, ctx), reference, rtol=1e-5, atol=1e-6)    # float32 as held
+    before = path.read_bytes()
+    from sdslim_core.io.files import OutputExists
+    with pytest.raises(ValueError) as refused:
         save.execute(model=lora_model, filename="sub/saved", destination="checkpoints", overwrite=False,
                      embed_adapters=False)
-    assert path.stat().st_mtime_ns == before
+    assert str(refused.value) == "sdslim: " + OutputExists(path).message("overwrite")
+    assert execution_name(type(refused.value)) == "sdslim.SlimError"
+    assert path.read_bytes() == before
     save.execute(model=lora_model, filename="sub/saved", destination="checkpoints", overwrite=True,
                  embed_adapters=True)
     entries, meta = read_header(path)

@@ -4,7 +4,9 @@ The webui runs this file at start-up and after an install from the Extensions ta
 module importable. It only adds packages: each pip call is constrained to the versions already installed
 (:func:`installed_pins`), so pip picks releases that fit the webui's pins (with webui v1.10.1 a diffusers that
 works with its huggingface_hub and safetensors) or fails, and never changes one of the webui's packages. torch,
-torchvision, torchaudio and xformers are never installed: the webui owns them.
+torchvision, torchaudio and xformers are never installed: the webui owns them. Releases that need a newer torch
+than the installed one are left out (:data:`TORCH_CAPS`), so what is added imports on the webui's own torch (with
+webui v1.10.1's torch 2.1.2: diffusers 0.35, lycoris-lora 4.0).
 """
 import os
 import re
@@ -15,6 +17,13 @@ import launch
 REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "requirements.txt")
 WEBUI_OWNED = {"torch", "torchvision", "torchaudio", "xformers"}
 _NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)")
+# (distribution, torch release below which, the cap): releases that fail to import on an older torch. Each boundary
+# was measured by installing torch on both sides of it and running what SD Slim uses (tests/a1111_venv/releases.py;
+# docs/a1111.md, "On the webui's own torch").
+TORCH_CAPS = (("diffusers", "2.3", "<0.36"),        # 0.36 reads torch.xpu at import
+              ("diffusers", "2.5", "<0.37"),        # 0.37 registers a custom op torch 2.4 cannot read ('X | None')
+              ("diffusers", "2.6", "<0.41"),        # 0.41 reads torch.accelerator
+              ("lycoris-lora", "2.7", "<4.1"))      # 4.1 registers custom ops (torch.library.custom_op, list[int])
 
 
 def requirements(path=REQUIREMENTS):
@@ -34,21 +43,37 @@ def requirements(path=REQUIREMENTS):
     return out
 
 
+def torch_caps(name):
+    """The caps of :data:`TORCH_CAPS` on ``name`` that the installed torch needs, as one specifier ("" if none)."""
+    from importlib.metadata import PackageNotFoundError, version
+    from packaging.version import InvalidVersion, Version
+    try:
+        torch = Version(version("torch"))
+    except (PackageNotFoundError, InvalidVersion):
+        return ""
+    return ",".join(cap for dist, below, cap in TORCH_CAPS
+                    if _canonical(dist) == _canonical(name) and torch < Version(below))
+
+
 def needed(name, line):
-    """What to pip-install for this requirement, or None when it is satisfied (or not for this platform)."""
+    """What to pip-install for this requirement (capped to releases that import on the installed torch), or None
+    when it is satisfied (or not for this platform). An installed release past a cap (one that cannot import on
+    this torch) is replaced."""
     try:
         from importlib.metadata import PackageNotFoundError, version
         from packaging.requirements import Requirement
+        from packaging.specifiers import SpecifierSet
     except ImportError:     # cannot read versions or markers: presence is all that can be checked
         return None if launch.is_installed(name) else line
     req = Requirement(line)
     if req.marker is not None and not req.marker.evaluate():
         return None
-    target = f"{req.name}{req.specifier}"
+    specifier = req.specifier & SpecifierSet(torch_caps(req.name))
+    target = f"{req.name}{specifier}"
     if not launch.is_installed(name):
         return target
     try:
-        return None if req.specifier.contains(version(name), prereleases=True) else target
+        return None if specifier.contains(version(name), prereleases=True) else target
     except PackageNotFoundError:    # importable under that name but not an installed distribution
         return None
 

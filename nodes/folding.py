@@ -74,13 +74,14 @@ def report_distance(d) -> None:
     if d is None:
         return
     worst = ", ".join(f"{s} {v:.0%}" for s, v in d.worst())
-    if d.overall > fingerprint.WARN_DISTANCE:
-        log.warning("sdslim: this MODEL's folded weights are %.0f%% from the adapters' base (largest: %s); past %.0f%% "
+    if d.far:
+        log.warning("sdslim: this MODEL's folded weights are %s from the adapters' base (largest: %s); past %s "
                     "base adapters keep measurably less of a fine-tune or merge than adapters refitted on it (Train "
-                    "Slim Adapters with 'start from adapters')", 100 * d.overall, worst,
-                    100 * fingerprint.WARN_DISTANCE)
+                    "Slim Adapters with 'start from adapters')", fingerprint.percent(d.overall), worst,
+                    fingerprint.WARN_TEXT)
     else:
-        log.info("sdslim: folded weights %.1f%% from the adapters' base (largest: %s)", 100 * d.overall, worst)
+        log.info("sdslim: folded weights %s from the adapters' base (largest: %s)", fingerprint.percent(d.overall),
+                 worst)
 
 
 def check_gguf(unet: torch.nn.Module) -> None:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from sdslim_core import layout
 from sdslim_core.io.files import format_bytes
-from sdslim_core.ops import breakdown
+from sdslim_core.ops import breakdown, fingerprint
 
 PREFIX = layout.COMFY_PREFIX
 
@@ -35,7 +35,8 @@ def breakdown_text(patcher, label: str = "model") -> str:
     lines = [table, f"adapters: {info.adapters}"]
     if info.distance is not None:
         worst = ", ".join(f"{s} {v:.1%}" for s, v in info.distance.worst())
-        lines.append(f"folded weights {info.distance.overall:.1%} from the adapters' base (largest: {worst})")
+        lines.append(f"folded weights {fingerprint.percent(info.distance.overall)} from the adapters' base "
+                     f"(largest: {worst})")
     return "\n".join(lines)
 
 

@@ -192,7 +192,7 @@ TRAIN = NodeSpec(
                 "(seconds, uniform ranks at 'ratio', the lowest fidelity; no conditioning needed)"),
      In("start_from", "COMBO", options=lambda: [NO_START] + _adapter_files(), optional=True,
         tooltip="start from adapters made for the model this MODEL derives from (a fine-tune, a merge): their "
-                "sites and ranks, refit on this MODEL with a short stage 2 ('steps')"),
+                "sites and ranks, refit on this MODEL with a short stage 2 ('steps'; recipe quick: none)"),
      In("overwrite", "BOOLEAN", False, optional=True,
         tooltip="replace an adapter file of that name that training finished before (a cancelled run resumes "
                 "either way)"),

@@ -31,6 +31,7 @@ from sdslim_core.train import recipes, train_adapters
 from sdslim_core.vram import live as vram_live
 
 SECTION = ("sdslim", "SD Slim")
+HIDDEN = (None, "Hidden options")           # the webui's section of settings not shown (as its sd_checkpoint_hash)
 ADAPTER_DIR = os.path.join(paths.models_path, "sdslim")
 FORGE = importlib.util.find_spec("modules_forge") is not None
 FORGE_MESSAGE = ("SD Slim does not support Forge (its UNet is managed by a ModelPatcher and its LoRA "
@@ -78,6 +79,22 @@ def _on_enable_change():
         restore_original("disabled in Settings")
 
 
+def _record_settings_file(name, path=None):
+    """Keep the sha256 of the Settings' adapter file beside its name, so a renamed or moved file is found."""
+    if path is None and name not in (None, "", params.NONE):
+        try:
+            path = params.adapter_path(ADAPTER_DIR, name)
+        except (ValueError, OSError):
+            path = None
+    record = params.sha256_record(name, _State.files.sha256(path) if path else "")
+    if getattr(shared.opts, params.SHA256_OPTION, None) != record:
+        shared.opts.set(params.SHA256_OPTION, record)
+
+
+def _on_adapters_change():
+    _record_settings_file(shared.opts.sdslim_adapters)
+
+
 def _register_settings():
     opts = shared.opts
     opts.add_option("sdslim_enable", shared.OptionInfo(
@@ -85,8 +102,8 @@ def _register_settings():
     ).info("fold the slim adapters into the UNet after the LoRA merge, right before sampling"))
     opts.add_option("sdslim_adapters", shared.OptionInfo(
         params.NONE, "Adapter file (models/sdslim)", gr.Dropdown,
-        lambda: {"choices": [params.NONE, *_State.choices]}, refresh=refresh_adapters, section=SECTION,
-        category_id="sd"))
+        lambda: {"choices": [params.NONE, *_State.choices]}, onchange=_on_adapters_change, refresh=refresh_adapters,
+        section=SECTION, category_id="sd"))
     opts.add_option("sdslim_strength", shared.OptionInfo(
         1.0, "Strength", gr.Slider, {"minimum": 0.0, "maximum": 1.0, "step": 0.05}, section=SECTION,
         category_id="sd",
@@ -100,6 +117,8 @@ def _register_settings():
         False, "Keep the replaced original layers on the CPU while slim", gr.Checkbox, section=SECTION,
         category_id="sd",
     ).info("saves their VRAM; always on with --medvram/--lowvram"))
+    opts.add_option(params.SHA256_OPTION, shared.OptionInfo(
+        "", "SHA256 and name of the SD Slim adapter file (finds it when renamed or moved)", section=HIDDEN))
 
 
 def _settings():
@@ -150,7 +169,7 @@ def slim_for_sampling(p, job):
     unmerge = _functional_unmerge(networks) if merge is not None and getattr(shared.opts, "lora_functional", False) \
         else None
     try:
-        path = params.adapter_path(ADAPTER_DIR, job.adapter)
+        name, path = _adapter_file(job)
         aset = _State.files.selected(path, job.strength)
         if not aset.sites:
             restore_original("strength selects no site", forget=False)
@@ -176,12 +195,15 @@ def slim_for_sampling(p, job):
             for layer in layers if unmerge is not None else ():
                 unmerge(live.original(layer))   # an in-place merge made before the functional mode was chosen
         loras = live.apply_loras(params.lora_key(loaded) if modules else (), modules)
+    except (ValueError, OSError, RuntimeError) as err:     # bad files, missing ones, swap failures: in words
+        restore_original("error", forget=False)
+        return _fail(p, str(err))
     except Exception as err:  # noqa: BLE001 - a failed fold must never break the generation
         restore_original("error", forget=False)
-        return _fail(p, f"{type(err).__name__}: {err}", exc=not isinstance(err, (ValueError, OSError, RuntimeError)))
+        return _fail(p, f"unexpected error ({type(err).__name__}: {err}); the console has the details", exc=True)
     p.extra_generation_params.pop(params.ERROR_KEY, None)
     p.extra_generation_params[params.INFOTEXT_KEY] = params.infotext_value(
-        job.adapter, _State.files.short_hash(path), job.strength)
+        name, _State.files.short_hash(path), job.strength)
     warnings = []
     if hits:
         text = ", ".join(f"{name} changes norm2 of {n} folded ResBlocks" for name, n in hits.items())
@@ -198,6 +220,25 @@ def slim_for_sampling(p, job):
         p.extra_generation_params[params.WARNING_KEY] = "; ".join(warnings)
     if loras.modules:
         _log(params.lora_text(loras.modules, loras.tensors, loras.forms, None if loras.cached else loras.seconds))
+
+
+def _adapter_file(job):
+    """(listed name, path) of this job's adapter file. The Settings' file is found by its recorded sha256 when it
+    was renamed or moved (Settings then name the new file); its sha256 is recorded whenever its name finds it."""
+    if not job.from_settings:
+        return job.adapter, params.adapter_path(ADAPTER_DIR, job.adapter)
+    sha = params.recorded_sha256(getattr(shared.opts, params.SHA256_OPTION, ""), job.adapter)
+    name = params.locate_adapter(ADAPTER_DIR, job.adapter, sha,
+                                 lambda f: _State.files.sha256(os.path.join(ADAPTER_DIR, f)))
+    path = params.adapter_path(ADAPTER_DIR, name)
+    if name != job.adapter:
+        _log(f"adapter file {job.adapter} not found; using {name}, the file with its sha256 (renamed or moved), "
+             "and naming it in Settings")
+        refresh_adapters()
+        shared.opts.set("sdslim_adapters", name)        # its onchange records the sha256 under the new name
+    else:
+        _record_settings_file(name, path)
+    return name, path
 
 
 def _slim_space_loras(live, layers, loaded):
@@ -337,8 +378,7 @@ def _paste_adapter(d):
     if parsed is None:
         return None
     files = refresh_adapters()
-    found = params.match_adapter(parsed, files,
-                                 lambda f: _State.files.short_hash(os.path.join(ADAPTER_DIR, f)))
+    found = params.match_adapter(parsed, files, lambda f: _State.files.sha256(os.path.join(ADAPTER_DIR, f)))
     if found is None:
         _log(f"pasted adapter file {parsed['adapter']} is not in {ADAPTER_DIR}; keeping the current choice")
     return found
@@ -370,18 +410,30 @@ def _webui_calibration(sd_model, form, cfg, pixels):
 def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe="full",
           start_from=a1111_training.NO_START, adapter_dtype=None):
     """The Train button, under the webui's GPU call: adapters for the loaded checkpoint into models/sdslim (resumed
-    from its work folder after an Interrupt), distilled from the UNet without LoRAs (data-free: from its weights)."""
+    from its work folder after an Interrupt), distilled from the UNet without LoRAs (data-free: from its weights).
+    Every refusal (a bad form, a model or file that cannot be trained from, a package that does not import) is one
+    sentence in the Report box, also in the console, without a traceback."""
     try:
-        form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename, recipe,
-                                         start_from, adapter_dtype)
-    except ValueError as err:                       # a refusal, like those below: in words in the Report box
-        return _train_outputs(str(err))
+        return _train(prompts, negative, ratio, budget, steps, size, seed, filename, recipe, start_from,
+                      adapter_dtype)
+    except a1111_training.REFUSALS as err:
+        text = a1111_training.refusal_text(err)
+        _log(text)
+        return _train_outputs(text)
+
+
+def _train(prompts, negative, ratio, budget, steps, size, seed, filename, recipe, start_from, adapter_dtype):
+    form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename, recipe,
+                                     start_from, adapter_dtype)
     sd_model = shared.sd_model
     out, work = form.paths(ADAPTER_DIR)
     refusal = a1111_training.model_refusal(sd_model, FORGE, getattr(devices, "fp8", False)) \
-        or a1111_training.exists_refusal(out)
+        or a1111_training.exists_refusal(out) \
+        or (None if form.recipe == "data-free" else a1111_training.diffusers_refusal())
     if refusal:
+        _log(refusal)
         return _train_outputs(refusal)
+    form.start_path(ADAPTER_DIR)                    # the Start from file is still there
     restore_original("training", forget=False)      # the slim layers off; their folded cache is kept
     unet = sd_model.model.diffusion_model
     weights, cfg = a1111_training.teacher(unet)
@@ -390,13 +442,10 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
     pixels = form.pixels(cfg)
     job = a1111_training.JobProgress(shared.state)
     job.say("encoding the prompts")
-    try:
-        calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
-    except ValueError as err:                       # the SDXL refiner, a conditioning of the wrong width
-        return _train_outputs(str(err))
+    calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
     if getattr(sd_model, "lowvram", False):
         lowvram.send_everything_to_cpu()            # --medvram/--lowvram: the webui's modules leave the GPU
-    job.say("calibrating: the teacher's own sampling runs")
+    job.say("preparing the teacher")
     options = form.options(cfg, next(unet.parameters()).dtype, str(devices.device), ADAPTER_DIR)
     try:
         result = train_adapters(weights, cfg, calib, out_path=out, progress=job, resume="auto", work_dir=work,
@@ -476,7 +525,8 @@ def _train_tab():
                     start_from = gr.Dropdown(choices=[a1111_training.NO_START, *_State.choices],
                                              value=a1111_training.NO_START, elem_id="sdslim_train_start_from",
                                              label="Start from adapters (made for the model this one derives "
-                                                   "from: refit, short stage 2)")
+                                                   "from: its sites and ranks, refit here; full adds a stage 2 of "
+                                                   "Steps, 200 at 0; quick measures only)")
                     adapter_dtype = gr.Dropdown(choices=list(FILE_DTYPES), value=DEFAULT_FILE_DTYPE,
                                                 elem_id="sdslim_train_adapter_dtype",
                                                 label="Adapter file dtype (fp16: half of fp32's bytes, the same "

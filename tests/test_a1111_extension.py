@@ -319,7 +319,8 @@ def test_adapters_for_another_model_fail_clearly(session, webui):
     _, res = session.generate("cat", adapter="other.safetensors")
     session.assert_same_as(snap)
     err = _params(res.infotexts[0])["SD Slim error"]
-    assert "other.safetensors" in err and "input_blocks.1.0" in err and "width" in err
+    assert err.startswith(f"{webui.adapters / 'other.safetensors'}: input_blocks.1.0: adapter width 64 does not "
+                          "match the model's 32"), err          # in words: no SwapError/AdapterError class names
 
 
 def test_checkpoint_reload_into_the_same_model_restores_first_and_refolds(session):
@@ -437,6 +438,47 @@ def test_infotext_round_trips_through_paste(session, webui):
     assert [key(plain) for _, key in session.script.infotext_fields] == ["Off", None, None]
 
 
+def _sha256(path):
+    import hashlib
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_a_renamed_or_moved_settings_adapter_file_is_found_by_its_sha256(session, webui, capsys):
+    """Settings keep the sha256 of their adapter file (a hidden option, set when it is chosen and whenever its name
+    finds it): after the file is renamed, or moved into a subfolder, a generation finds it by that hash, folds it
+    as before and names the new file in the infotext and in Settings; a file whose content changed is not taken
+    for it, and the error says why without the refresh-button advice."""
+    from modules import shared
+    record = f"{_sha256(session.adapter_file)}  tiny.safetensors"
+    assert shared.opts.sdslim_adapters_sha256 == record                      # chosen in Settings (the fixture)
+    want = _reference(session)
+    (webui.adapters / "sub").mkdir()
+    for new in ("renamed.safetensors", "sub/moved.safetensors"):
+        old = shared.opts.sdslim_adapters
+        os.rename(webui.adapters / old, webui.adapters / new)
+        capsys.readouterr()
+        p, res = session.generate("cat")
+        info = _params(res.infotexts[0])
+        assert "SD Slim error" not in info, info["SD Slim error"]
+        assert info["SD Slim"].startswith(f"adapters={new} ["), info["SD Slim"]
+        assert torch.allclose(p.standin_outputs[0], want, atol=TOL, rtol=0)
+        assert shared.opts.sdslim_adapters == new and shared.opts.sdslim_adapters_sha256.endswith(f"  {new}")
+        assert f"adapter file {old} not found; using {new}, the file with its sha256" in capsys.readouterr().err
+    # the file replaced by another one (other content) under a new name: not taken for it
+    write_adapters(webui.adapters, session.pristine, name="other.safetensors", seed=9)
+    os.remove(webui.adapters / "sub/moved.safetensors")
+    _, res = session.generate("cat")
+    assert not session.live.installed                                        # the original layers are back
+    err = _params(res.infotexts[0])["SD Slim error"]
+    assert err == (f"SD Slim adapter file sub/moved.safetensors is not in {webui.adapters}, and no file there has "
+                   f"its content (sha256 {record[:10]}); put it back or choose another one in Settings"), err
+    # a file chosen in Settings and renamed before any generation is found too
+    session.settings(adapters="other.safetensors")
+    os.rename(webui.adapters / "other.safetensors", webui.adapters / "other2.safetensors")
+    _, res = session.generate("cat")
+    assert _params(res.infotexts[0])["SD Slim"].startswith("adapters=other2.safetensors ["), res.infotexts[0]
+
+
 def test_vram_report_on_cpu(session):
     p, res = session.generate("cat")
     text = _params(res.infotexts[0])["SD Slim VRAM"]
@@ -462,7 +504,9 @@ def test_settings_are_registered_in_the_sd_slim_section(session, webui):
     for k in keys:     # registered at import (the settings API lists them even with --nowebui) ...
         assert shared.opts.data_labels[k].section == ("sdslim", "SD Slim"), k
     script_callbacks.ui_settings_callback()     # ... and again from on_ui_settings, harmlessly
-    assert [k for k in shared.opts.data_labels if k.startswith("sdslim_")] == keys
+    assert [k for k in shared.opts.data_labels if k.startswith("sdslim_")] == keys + ["sdslim_adapters_sha256"]
+    # the adapter file's sha256 is a hidden option, as the webui keeps its checkpoint's (sd_checkpoint_hash)
+    assert shared.opts.data_labels["sdslim_adapters_sha256"].section == (None, "Hidden options")
     info = shared.opts.data_labels["sdslim_adapters"]
     assert info.component_args()["choices"] == ["None", "tiny.safetensors"]
     (webui.adapters / "sub").mkdir()
@@ -636,6 +680,25 @@ def test_soak_many_generations_stay_exact_bounded_and_give_the_original_back(ses
           f"{'' if session.live else '; SD Slim off in Settings: none kept'})")
 
 
+@pytest.mark.parametrize("overall, shown", [(0.072, "7.2%"), (0.0704, "7.04%"), (0.07001, "7.001%"), (0.25, "25.0%")])
+def test_the_distance_warning_never_shows_the_threshold_as_the_distance(session, monkeypatch, overall, shown):
+    """Just past the 7 % threshold the warning's number differs visibly from the threshold's (never "7% … (past
+    7%)"), with the same formatting as every host (sdslim_core.ops.fingerprint.percent)."""
+    from sdslim_core.modules import live_slim
+    from sdslim_core.ops import fingerprint
+    real = live_slim.LiveSlim._fold
+
+    def far(self, *a, **k):
+        layers, report, space = real(self, *a, **k)
+        report.distance = fingerprint.Distance({"input_blocks.1.0": overall}, overall, 4, [])
+        return layers, report, space
+    monkeypatch.setattr(live_slim.LiveSlim, "_fold", far)
+    _, res = session.generate("cat")
+    warning = _params(res.infotexts[0])["SD Slim warning"]
+    assert warning.startswith(f"checkpoint {shown} from the adapters' base (past 7%): "), warning
+    assert fingerprint.percent(overall) == shown
+
+
 def test_the_checkpoints_distance_from_the_adapters_base_is_logged_and_warned(session, webui, capsys):
     """An adapter file fingerprinted on this very model: 0.0 % in the console, no warning; fingerprinted on another
     model of the same shapes (a far derivative): the infotext warns and points to refitting."""
@@ -653,7 +716,8 @@ def test_the_checkpoints_distance_from_the_adapters_base_is_logged_and_warned(se
         err = capsys.readouterr().err
         warning = _params(res.infotexts[0]).get("SD Slim warning", "")
         if far:
-            assert f"from the adapters' base (past {fingerprint.WARN_DISTANCE:.0%})" in warning and "start from adapters" in warning
+            assert f"from the adapters' base (past {fingerprint.WARN_TEXT})" in warning
+            assert "Start from adapters" in warning
             assert re.search(r"this checkpoint is \d+\.\d% from the adapters' base", err)
         else:
             assert not warning and "this checkpoint is 0.0% from the adapters' base" in err

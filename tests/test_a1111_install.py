@@ -1,6 +1,7 @@
 """install.py with the stand-in ``launch`` (which records pip calls instead of running pip); with
-``SDSLIM_WEBUI_VENV=1`` (needs the package index, a few minutes) also in a venv made from webui v1.10.1's
-requirements_versions.txt, with a ``launch`` that runs pip."""
+``SDSLIM_WEBUI_VENV=1`` (needs the package index, a few GB and tens of minutes) also in a venv made exactly as webui
+v1.10.1 makes it (torch 2.1.2, its requirements_versions.txt) and in one around the current torch, with a ``launch``
+that runs pip, and the stand-in tab's training tests run by each venv's python."""
 import importlib.util
 import json
 import os
@@ -78,6 +79,45 @@ def test_pip_may_only_add_every_installed_version_is_a_constraint(install, tmp_p
     assert not os.path.exists(pinned[0][1])
 
 
+# (torch, the newest diffusers and lycoris-lora releases that import and work there, the first ones that do not),
+# as measured by installing each (docs/a1111.md, "On the webui's own torch"); None: no release fails
+BOUNDARIES = [("2.1.2+cu121", "0.35.2", "0.36.0", "4.0.0", "4.1.0"),      # webui v1.10.1's torch
+              ("2.2.2", "0.35.2", "0.36.0", "4.0.0", "4.1.0"),
+              ("2.4.1", "0.36.0", "0.37.0", "4.0.0", "4.1.0"),
+              ("2.5.1", "0.40.0", "0.41.0", "4.0.0", "4.1.0"),
+              ("2.6.0", "0.42.1", None, "4.0.0", "4.1.0"),
+              ("2.7.1", "0.42.1", None, "4.1.3", None)]
+
+
+@pytest.mark.parametrize("torch_version, works, fails, lyco_works, lyco_fails", BOUNDARIES)
+def test_releases_that_do_not_import_on_the_installed_torch_are_left_out_or_replaced(
+        install, tmp_path, monkeypatch, torch_version, works, fails, lyco_works, lyco_fails):
+    """Each pip call's requirement is capped below the first release that fails on the installed torch and keeps the
+    newest that works; an installed release past the cap (what an older install.py added: diffusers 0.37.1 and
+    lycoris-lora 4.1.3, which fail on torch 2.1.2) is replaced, one within it is kept."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    module, calls = install
+    site = tmp_path / "site"
+    _dist(site, "torch", torch_version)
+    _dist(site, "diffusers", "0.37.1")
+    _dist(site, "lycoris-lora", "4.1.3")
+    monkeypatch.syspath_prepend(str(site))
+    req = tmp_path / "requirements.txt"
+    req.write_text("diffusers>=0.27\nlycoris-lora>=3\n")
+    module.main(str(req))
+    targets = {r.name: r.specifier for r in (Requirement(re.fullmatch(r'install "(.+)" -c ".+"', c)[1])
+                                             for c, _ in calls)}
+    for name, installed, newest, first_failing, oldest in (("diffusers", "0.37.1", works, fails, "0.27"),
+                                                            ("lycoris-lora", "4.1.3", lyco_works, lyco_fails, "3")):
+        if first_failing is None or Version(installed) < Version(first_failing):
+            assert name not in targets, (name, targets)         # the installed release works here: kept
+        else:
+            spec = targets[name]
+            assert spec.contains(newest) and spec.contains(oldest), (name, spec)
+            assert not spec.contains(first_failing) and not spec.contains(installed), (name, spec)
+
+
 def test_bad_requirement_lines_name_file_and_line(install, tmp_path):
     module, calls = install
     req = tmp_path / "requirements.txt"
@@ -96,17 +136,40 @@ def test_the_shipped_requirements_parse_and_leave_torch_to_the_webui(install):
     assert names and not {"torch", "torchvision", "xformers"} & set(names)
 
 
-@pytest.mark.skipif(os.environ.get("SDSLIM_WEBUI_VENV") != "1", reason="SDSLIM_WEBUI_VENV=1: builds a webui venv "
-                    "from the package index (minutes)")
-def test_in_a_webui_v1_10_1_venv_install_py_only_adds_and_pip_check_is_clean(tmp_path):
+@pytest.fixture(scope="module", params=["webui", "current"])
+def webui_venv(request, tmp_path_factory):
+    """(build module, build.check's result, kind): a venv made as webui v1.10.1 makes it (its torch 2.1.2), or
+    around the current torch, with install.py run in it."""
+    if os.environ.get("SDSLIM_WEBUI_VENV") != "1":
+        pytest.skip("SDSLIM_WEBUI_VENV=1: builds webui venvs from the package index (torch 2.1.2: a few GB, minutes)")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:
         from a1111_venv import build
     finally:
         sys.path.remove(os.path.join(ROOT, "tests"))
-    result = build.check(tmp_path / "venv")
+    return build, build.check(tmp_path_factory.mktemp(request.param) / "venv", torch=request.param), request.param
+
+
+def test_in_a_webui_venv_install_py_only_adds_what_imports_on_its_torch(webui_venv):
+    """Nothing of the webui's changes, ``pip check`` is clean, the webui's imports give what they gave, and what
+    SD Slim imports of the added packages works on the venv's torch (on webui v1.10.1's torch 2.1.2: diffusers 0.35.2
+    and lycoris-lora 4.0.0, the newest releases that import there)."""
+    _, result, kind = webui_venv
     assert result["install_rc"] == 0, result["install_log"]
     assert result["changed"] == {}, result["changed"]
     assert result["pip_check_rc"] == 0, result["pip_check"]
     assert result["imports_after"] == result["imports_before"]
     assert {"diffusers", "lycoris-lora"} <= result["added"].keys(), result["added"]
+    assert set(result["sdslim_imports"].values()) == {"ok"}, result["sdslim_imports"]
+    if kind == "webui":
+        assert result["torch"] == "2.1.2" and set(result["imports_before"].values()) == {"ok"}, result
+        assert (result["added"]["diffusers"], result["added"]["lycoris-lora"]) == ("0.35.2", "4.0.0"), result["added"]
+
+
+def test_in_a_webui_venv_the_sd_slim_tab_trains(webui_venv):
+    """The stand-in tab's training tests (interrupt and resume, recipes and Start from, refusals) pass when run by
+    the venv's own python, on its torch and the releases install.py added."""
+    build, result, _ = webui_venv
+    rc, out = build.run_tests(result["python"], "tests/test_a1111_training.py", "-k",
+                              "interrupt_resume or recipe_and_start or refusals")
+    assert rc == 0 and " passed" in out, out

@@ -9,8 +9,8 @@ SETTINGS = {"enable": True, "adapters": "a.safetensors", "strength": 0.5}
 
 
 @pytest.mark.parametrize("mode, adapter, strength, want", [
-    ("Settings", "Settings", 0, params.Job(True, "a.safetensors", 0.5)),
-    ("Off", "Settings", 0, params.Job(False, "a.safetensors", 0.5)),
+    ("Settings", "Settings", 0, params.Job(True, "a.safetensors", 0.5, from_settings=True)),
+    ("Off", "Settings", 0, params.Job(False, "a.safetensors", 0.5, from_settings=True)),
     ("Settings", "b.safetensors", 0.75, params.Job(True, "b.safetensors", 0.75)),
 ])
 def test_override_wins_over_settings(mode, adapter, strength, want):

@@ -5,6 +5,7 @@ model (weights, Parameter objects, the Lora extension's merge state) is untouche
 conditioning (pooled slice, negative prompt, size/crop embeddings) against diffusers' own size embedding."""
 import dataclasses
 import os
+import sys
 
 import pytest
 import torch
@@ -103,6 +104,13 @@ def _lora_state(unet):
             for n, m in unet.named_modules()}
 
 
+def _status_lines(monkeypatch):
+    """Every status line the tab shows (``JobProgress.say``), in order."""
+    said, real = [], a1111_training.JobProgress.say
+    monkeypatch.setattr(a1111_training.JobProgress, "say", lambda self, text: said.append(text) or real(self, text))
+    return said
+
+
 def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui, monkeypatch):
     s = session
     from modules import progress, shared
@@ -110,7 +118,9 @@ def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui,
     snap, lora_before = s.snapshot(), _lora_state(s.unet)
     assert any(names for names, _ in lora_before.values())
     seen = _press_interrupt_at(s, monkeypatch, 20)
+    said = _status_lines(monkeypatch)
     text, *updates, html = _train(s)
+    assert "calibration: the teacher's own sampling runs" in said and not any("reusing" in t for t in said), said
     work = webui.models / "sdslim_work" / "trained.safetensors.work"
     assert text.startswith("Interrupted at step 20 of ") and str(work) in text, text
     assert work.is_dir() and not (webui.adapters / "trained.safetensors").exists()
@@ -125,8 +135,12 @@ def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui,
     assert progress.finished_tasks[-1] == "task(t1)"
 
     seen.clear()
+    said.clear()
     text, *updates, html = _train(s, task="task(t2)")                         # the same settings: resumed
     assert text.startswith(f"adapters written to {webui.adapters / 'trained.safetensors'}"), text
+    work_calib = work / "calib"
+    assert f"calibration: reusing the one this run saved in {work_calib} (nothing sampled again)" in said, said
+    assert not any("sampling runs" in t for t in said), said
     assert [x[3] for x in seen] == list(range(19, 33)), "resumed after the last checkpoint (step 18), not from 1"
     assert not work.exists() and not (webui.models / "sdslim_work" / "trained.safetensors.work").exists()
     assert "trained.safetensors" in s.module._State.choices
@@ -189,11 +203,12 @@ def test_interrupt_before_the_steps_stops_there_and_says_which_phase(session, we
         assert torch.equal(resumed.state_dict()[k], v), k
 
 
-def test_recipe_and_start_from_adapters_inputs(session, webui):
+def test_recipe_and_start_from_adapters_inputs(session, webui, monkeypatch, capsys):
     """The tab's recipe, "start from adapters" and adapter file dtype inputs: data-free needs no prompt and writes
     the weight-norm selection of the UNet without LoRAs (computed here from the pristine weights), stored fp16 by
     default or fp32 when chosen; a refit from the fp16 file keeps its sites and ranks and trains a stage 2 of the
-    form's steps only."""
+    form's steps only, and with the quick recipe trains nothing (what quick says); the status line says it in the
+    tab's words; a Start from file that is gone is refused in the Report box."""
     s = session
     canon, _, _ = layout.to_canonical({k: v.double() for k, v in s.pristine.state_dict().items()})
     from sdslim_core.layout import rank_policy
@@ -208,13 +223,30 @@ def test_recipe_and_start_from_adapters_inputs(session, webui):
                                                                .double()) for t in want.sites for k in want.sites[t])
     assert "df.safetensors" in s.module._State.choices
     assert "df.safetensors" in res[-2]["choices"] and res[-2]["choices"][0] == a1111_training.NO_START
+    said = _status_lines(monkeypatch)
     text, *_ = _train(s, filename="refit", start_from="df.safetensors", steps=3)
     assert text.startswith("adapters written to"), text
     refit = AdapterSet.load(webui.adapters / "refit.safetensors")
     assert refit.ranks() == got.ranks()
     assert refit.metadata["sdslim.train"]["steps"] == {"stage1_per_site": 0, "stage2": 3}
-    *_, html = _train(s, filename="x", start_from="gone.safetensors")     # the webui's error box says why
-    assert "gone.safetensors not found" in html and not (webui.adapters / "x.safetensors").exists()
+    start = str(webui.adapters / "df.safetensors")
+    assert f"starting from {start}: {len(got.sites)} sites at its ranks (no allocation)" in said, said
+    assert not any("--" in t for t in said), said
+    said.clear()
+    text, *_ = _train(s, filename="quick_refit", recipe="quick", start_from="df.safetensors", steps=3)
+    assert text.startswith("adapters written to"), text
+    quick = AdapterSet.load(webui.adapters / "quick_refit.safetensors")
+    assert quick.ranks() == got.ranks()
+    assert quick.metadata["sdslim.train"]["steps"] == {"stage1_per_site": 0, "stage2": 0}      # nothing trained
+    assert not any(t.startswith("stage ") for t in said), said
+    capsys.readouterr()
+    text, *_, html = _train(s, filename="x", start_from="gone.safetensors")
+    assert text == (f"SD Slim training: the Start from adapters file gone.safetensors is not in {webui.adapters} any "
+                    "more (renamed or deleted?); choose another one"), text
+    assert "error" not in html and "Time taken" in html, html
+    assert "Traceback" not in capsys.readouterr().err and not (webui.adapters / "x.safetensors").exists()
+    text, *_ = _train(s, filename="x", start_from="df.safetensors", budget="600M")
+    assert text.startswith("SD Slim training: Start from adapters keeps that file's sites and ranks"), text
 
 
 def test_the_teacher_is_the_unet_without_loras_in_copies(session):
@@ -279,6 +311,39 @@ def test_refusals_leave_everything_as_it_was(session, webui):
     assert a1111_training.model_refusal(None, False, False).startswith("SD Slim training needs a loaded")
     assert "Forge" in a1111_training.model_refusal(s.sd_model, True, False)
     assert "fp8" in a1111_training.model_refusal(s.sd_model, False, True)
+
+
+def test_refusals_found_during_the_run_are_one_sentence_too(session, webui, monkeypatch, capsys, tmp_path):
+    """A Start from file made for another model, diffusers that does not import with the webui's torch (as
+    diffusers 0.37 on torch 2.1.2): one sentence in the Report box, without Python class names; nothing in the
+    webui's error box, no traceback in the console; nothing written."""
+    s = session
+    other = tiny_unet(seed=5)
+    with torch.no_grad():
+        other.input_blocks[1][0].in_layers[2] = torch.nn.Conv2d(32, 64, 3, padding=1).double()     # width 64 ≠ 32
+        other.input_blocks[1][0].emb_layers[1] = torch.nn.Linear(128, 64).double()
+        other.input_blocks[1][0].out_layers[0] = torch.nn.GroupNorm(32, 64).double()
+        other.input_blocks[1][0].out_layers[3] = torch.nn.Conv2d(64, 32, 3, padding=1).double()
+    write_adapters(webui.adapters, other, name="other.safetensors")
+    s.module.refresh_adapters()
+    capsys.readouterr()
+    text, *_, html = _train(s, filename="x", start_from="other.safetensors")
+    assert text.startswith(f"SD Slim training: {webui.adapters / 'other.safetensors'}: input_blocks.1.0: adapter "
+                           "width 64 does not match the model's 32"), text
+    fake = tmp_path / "site" / "diffusers"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise AttributeError(\"module 'torch' has no attribute 'xpu'\")\n")
+    for name in [m for m in sys.modules if m.split(".")[0] == "diffusers"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    text2, *_, html2 = _train(s, filename="y")
+    assert text2 == (f"SD Slim training needs diffusers, which does not import with this torch {torch.__version__} "
+                     "(module 'torch' has no attribute 'xpu'); restart the webui so that the extension's installer "
+                     "adds a release that works with it"), text2
+    for t, h in ((text, html), (text2, html2)):
+        assert "Error" not in t and "error" not in h and "Time taken" in h, (t, h)
+    assert "Traceback" not in capsys.readouterr().err
+    assert not (webui.adapters / "x.safetensors").exists() and not (webui.adapters / "y.safetensors").exists()
 
 
 def test_conditioning_is_the_webuis_padded_to_the_longest_prompt(session):

@@ -102,11 +102,11 @@ def _distance_meter(aset: AdapterSet, notes: list) -> fingerprint.DistanceMeter 
 
 def _warn_distance(result: "SlimResult") -> None:
     d = result.distance
-    if d is not None and d.overall > fingerprint.WARN_DISTANCE:
+    if d is not None and d.far:
         worst = ", ".join(f"{s} {v:.0%}" for s, v in d.worst())
         result.warnings.append(
-            f"this checkpoint's folded weights are {d.overall:.0%} from the adapters' base (largest: {worst}); past "
-            f"{fingerprint.WARN_DISTANCE:.0%} base adapters keep measurably less of a derivative than adapters "
+            f"this checkpoint's folded weights are {fingerprint.percent(d.overall)} from the adapters' base (largest: "
+            f"{worst}); past {fingerprint.WARN_TEXT} base adapters keep measurably less of a derivative than adapters "
             "refitted on it: `sdslim train --ckpt THIS --from ADAPTERS` (bench/RESULTS.md, Derivatives)")
 
 

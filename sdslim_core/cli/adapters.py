@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
-from ..ops.fingerprint import WARN_DISTANCE
+from ..ops import fingerprint
 
 
 def add_dtype_argument(parser):
@@ -29,12 +29,12 @@ def _distance(args) -> int:
     if args.json:
         print(json.dumps(d.to_dict()))
         return 0
-    print(f"{args.ckpt}: {d.overall:.1%} from the base of {args.adapters} over the {d.compared} tensors its "
-          f"{len(d.sites)} sites fold", file=sys.stderr)
+    print(f"{args.ckpt}: {fingerprint.percent(d.overall)} from the base of {args.adapters} over the {d.compared} "
+          f"tensors its {len(d.sites)} sites fold", file=sys.stderr)
     for site, v in d.worst(len(d.sites)):
         print(f"  {site:<55} {v:7.2%}", file=sys.stderr)
-    if d.overall > WARN_DISTANCE:
-        print(f"past {WARN_DISTANCE:.0%}: base adapters keep measurably less of this checkpoint than adapters "
+    if d.far:
+        print(f"past {fingerprint.WARN_TEXT}: base adapters keep measurably less of this checkpoint than adapters "
               f"refitted on it (`sdslim train --ckpt {args.ckpt} --from {args.adapters}`)", file=sys.stderr)
     return 0
 

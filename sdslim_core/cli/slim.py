@@ -8,6 +8,7 @@ import sys
 from ..io.files import format_bytes
 from ..io.gguf import QUANT_TYPES, WRITE_TYPES
 from ..io.lora_files import parse_lora_arg
+from ..ops import fingerprint
 
 FORMATS = ("safetensors", "gguf")
 WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8_e4m3fn": "float8_e4m3fn"}
@@ -59,8 +60,9 @@ def summary_text(result, loras) -> str:
     if result.distance is not None:
         d = result.distance
         worst = ", ".join(f"{s} {v:.1%}" for s, v in d.worst())
-        lines.append("distance from the adapters' base: " + (f"{d.overall:.1%} of the folded weights (largest: {worst})"
-                                                              if d.overall else "0 (the adapters' own base model)"))
+        overall = f"{fingerprint.percent(d.overall)} of the folded weights (largest: {worst})" if d.overall else \
+            "0 (the adapters' own base model)"
+        lines.append(f"distance from the adapters' base: {overall}")
     lines += [f"note: {n}" for n in result.notes] + [f"warning: {w}" for w in result.warnings]
     return "\n".join(line for line in lines if line)
 

@@ -205,6 +205,8 @@ class LiveSlim:
             self.restore()
             if isinstance(err, SwapError):
                 raise
+            if isinstance(err, (ValueError, OSError)):     # a file or input that cannot be used: its message says why
+                raise SwapError(str(err)) from err
             raise SwapError(f"{type(err).__name__}: {err}") from err
         report.seconds = time.perf_counter() - t0
         self.key, self.report, self.space = key, report, space

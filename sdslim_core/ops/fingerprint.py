@@ -28,6 +28,16 @@ SKETCH, PROBES = 32, 8
 # trained on it kept no more than the base's (within 1 dB image PSNR); the nearest one where they kept over 2 dB more
 # was 7.9 % away (bench/RESULTS.md, Derivatives)
 WARN_DISTANCE = 0.07
+WARN_TEXT = f"{WARN_DISTANCE:.0%}"          # the threshold as every host writes it
+
+
+def percent(value: float) -> str:
+    """A distance as every host writes it: a percentage with one decimal, or as many more as keep it visibly apart
+    from :data:`WARN_TEXT` (``7.2%``, ``7.04%``: never a "7%" that reads as the threshold)."""
+    for digits in range(1, 7):
+        if round(100 * value, digits) != round(100 * WARN_DISTANCE, digits):
+            break
+    return f"{100 * value:.{digits}f}%"
 
 
 def _generator(key: str, shape: tuple) -> torch.Generator:
@@ -88,6 +98,11 @@ class Distance:
     overall: float
     compared: int
     missing: list
+
+    @property
+    def far(self) -> bool:
+        """Past :data:`WARN_DISTANCE`, where the hosts warn."""
+        return self.overall > WARN_DISTANCE
 
     def worst(self, n: int = 3) -> list[tuple[str, float]]:
         return sorted(self.sites.items(), key=lambda kv: -kv[1])[:n]

@@ -536,7 +536,11 @@ def calibrate(session: "Session", fp: dict) -> tuple[InputBank, ActivationStore]
     man = read_manifest(folder)
     if not (session.resume and man and man.get("fingerprint") == fp):
         man = None
+    elif session.topo.main:
+        session.say(f"calibration: reusing the one this run saved in {folder} (nothing sampled again)")
     if man is None and session.topo.main:
+        session.say("calibration: the teacher's own sampling runs" if session.calib.latents is None else
+                    "calibration: the teacher runs on the given latents")
         t0 = time.perf_counter()
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)

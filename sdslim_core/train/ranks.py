@@ -184,7 +184,7 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
     file's ranks, nothing measured."""
     tc, site_list = session.tc, session.site_list
     if session.base is not None:
-        session.say(f"--from: {len(session.base.sites)} sites at the ranks of {tc.start_from} (no allocation)")
+        session.say(f"starting from {tc.start_from}: {len(session.base.sites)} sites at its ranks (no allocation)")
         return dict(session.base.ranks()), {"start_from": tc.start_from}
     if not tc.allocates():
         return ratio_ranks(site_list, tc), {}

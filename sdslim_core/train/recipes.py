@@ -10,7 +10,7 @@
 - ``full``: everything (:class:`TrainConfig`'s defaults).
 - ``--from BASE_ADAPTERS`` (:data:`REFIT`): the base file's sites and ranks (no allocation), each site started
   from the base adapter or re-initialised from the derivative's activations where that measures better, then a
-  short stage 2.
+  short stage 2; with ``quick`` (:data:`QUICK_REFIT`) that measured start without the stage 2.
 """
 from __future__ import annotations
 
@@ -35,27 +35,29 @@ SETTINGS = {"data-free": {}, "quick": dict(LIGHT_CALIBRATION, alloc_anchors=1, i
                                            stage1_steps=0, stage2_steps=0),
             "full": {}}
 REFIT = dict(LIGHT_CALIBRATION, stage1_steps=0, stage2_steps=200)
+QUICK_REFIT = dict(REFIT, init_methods=QUICK_INIT, stage2_steps=0)
 
 
 def settings(recipe: str, start_from: bool = False) -> dict:
-    """The :class:`TrainConfig` fields ``recipe`` sets (``start_from``: those of a ``--from`` refit)."""
+    """The :class:`TrainConfig` fields ``recipe`` sets (``start_from``: those of a ``--from`` refit, without its
+    stage 2 for ``quick``)."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}: use one of {', '.join(RECIPES)}")
     if start_from:
         if recipe == "data-free":
             raise ValueError("--from refits trained adapters on the derivative's data: it has no data-free recipe")
-        return dict(REFIT)
+        return dict(QUICK_REFIT if recipe == "quick" else REFIT)
     return dict(SETTINGS[recipe])
 
 
 def host_overrides(recipe: str, steps: int = 0, start_from=None) -> dict:
     """``train_adapters`` keyword overrides for a host's Train form: ``recipe``'s settings (``start_from``: the
     refit's, from that adapter file); ``steps`` (0: the recipe's own) sets both stages of ``full`` and the stage 2 of
-    a refit (``quick`` trains no stage)."""
+    a full refit (``quick`` trains no stage)."""
     out = settings(recipe, bool(start_from))
     if start_from:
         out["start_from"] = str(start_from)
-        if steps:
+        if steps and recipe == "full":
             out["stage2_steps"] = int(steps)
     elif steps and recipe == "full":
         out["steps"] = int(steps)

@@ -119,7 +119,7 @@ class Session:
             return None
         path = Path(self.tc.start_from)
         if not path.is_file():
-            raise FileNotFoundError(f"--from {path}: no such adapter file")
+            raise FileNotFoundError(f"the adapters to start from, {path}: no such file")
         aset = AdapterSet.load(path)
         aset.check_model(self.shapes, family=self.cfg.family)         # the message names the file
         return self.ordered(aset)

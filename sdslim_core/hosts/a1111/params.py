@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 
 from ...io.adapters import AdapterSet
 from ...io.files import format_bytes, sha256_file
-from ...ops.fingerprint import WARN_DISTANCE
+from ...ops import fingerprint
 
 INFOTEXT_KEY = "SD Slim"
 VRAM_KEY = "SD Slim VRAM"
@@ -23,6 +23,7 @@ WARNING_KEY = "SD Slim warning"
 FROM_SETTINGS = "Settings"              # override value meaning "use the Settings page"
 MODES = (FROM_SETTINGS, "On", "Off")
 NONE = "None"                           # the "no adapter file" choice
+SHA256_OPTION = "sdslim_adapters_sha256"  # hidden setting: the Settings' adapter file as :func:`sha256_record`
 ADAPTER_SUFFIX = ".safetensors"
 _INFOTEXT_RX = re.compile(r"^adapters=(?P<name>.+?)(?: \[(?P<hash>[0-9a-f]+)\])?, ratio=(?P<ratio>[0-9.]+)$")
 
@@ -33,6 +34,7 @@ class Job:
     enabled: bool
     adapter: str            # file name relative to the adapter folder, or NONE
     strength: float
+    from_settings: bool = False     # the adapter file is the Settings' (not chosen for this generation)
 
 
 def resolve(settings: Mapping, mode: str, adapter: str, strength: float) -> Job:
@@ -43,11 +45,12 @@ def resolve(settings: Mapping, mode: str, adapter: str, strength: float) -> Job:
     if mode not in MODES:
         raise ValueError(f"SD Slim mode {mode!r}: expected one of {MODES}")
     enabled = bool(settings["enable"]) if mode == FROM_SETTINGS else mode == "On"
-    name = settings["adapters"] if adapter in (None, "", FROM_SETTINGS) else adapter
+    from_settings = adapter in (None, "", FROM_SETTINGS)
+    name = settings["adapters"] if from_settings else adapter
     value = float(settings["strength"]) if not strength else float(strength)
     if not 0 <= value <= 1:
         raise ValueError(f"SD Slim strength {value}: expected a fraction of sites in [0, 1]")
-    return Job(enabled and name not in (None, "", NONE) and value > 0, name or NONE, value)
+    return Job(enabled and name not in (None, "", NONE) and value > 0, name or NONE, value, from_settings)
 
 
 def list_adapter_files(folder: str) -> list[str]:
@@ -72,8 +75,34 @@ def adapter_path(folder: str, name: str) -> str:
     return path
 
 
+def sha256_record(name: str, sha256: str) -> str:
+    """The Settings' record of its adapter file (the hidden option :data:`SHA256_OPTION`): ``sha256  name``, as
+    ``sha256sum`` writes it; "" without a file."""
+    return f"{sha256}  {name}" if name not in (None, "", NONE) and sha256 else ""
+
+
+def recorded_sha256(record: str | None, name: str) -> str | None:
+    """The sha256 in ``record`` when it was recorded for ``name`` (a record of another name says nothing)."""
+    sha, _, recorded_name = (record or "").partition("  ")
+    return sha if sha and recorded_name == name else None
+
+
+def locate_adapter(folder: str, name: str, sha256: str | None, hash_of) -> str:
+    """The listed name of adapter ``name``: itself when its file is there, else (``sha256`` given: the hash recorded
+    for it) the file in ``folder`` with that content, renamed or moved. ``hash_of(listed name)``: its sha256.
+    FileNotFoundError, in words, when neither is there."""
+    if os.path.isfile(os.path.join(folder, name)) or not sha256:
+        adapter_path(folder, name)          # the name's own checks and error
+        return name
+    found = match_adapter({"adapter": name, "hash": sha256}, list_adapter_files(folder), hash_of)
+    if found is None:
+        raise FileNotFoundError(f"SD Slim adapter file {name} is not in {folder}, and no file there has its content "
+                                f"(sha256 {sha256[:10]}); put it back or choose another one in Settings")
+    return found
+
+
 class AdapterFiles:
-    """Loads adapter files once per (path, size, mtime); also gives their short content hash."""
+    """Loads adapter files once per (path, size, mtime); also gives their content hash."""
 
     def __init__(self):
         self._sets: dict[tuple, AdapterSet] = {}
@@ -98,12 +127,16 @@ class AdapterFiles:
             self._selected = {key: self.load(path).select(strength)}
         return self._selected[key]
 
-    def short_hash(self, path: str) -> str:
-        """First 10 hex digits of the file's sha256 (the length the webui shows for models)."""
+    def sha256(self, path: str) -> str:
+        """The file's sha256 (hex), computed once per file version."""
         fp = self.fingerprint(path)
         if fp not in self._hashes:
-            self._hashes[fp] = sha256_file(path)[:10]
+            self._hashes[fp] = sha256_file(path)
         return self._hashes[fp]
+
+    def short_hash(self, path: str) -> str:
+        """First 10 hex digits of the file's sha256 (the length the webui shows for models)."""
+        return self.sha256(path)[:10]
 
 
 def lora_key(loaded_networks: Iterable) -> tuple:
@@ -138,12 +171,13 @@ def parse_infotext(value: str | None) -> dict | None:
 
 
 def match_adapter(parsed: Mapping, files: list[str], hash_of) -> str | None:
-    """The listed file a pasted infotext refers to: same name, else same short hash (a renamed file)."""
+    """The listed file ``parsed`` (``{"adapter", "hash"}``: a pasted infotext's) refers to: same name, else the
+    file whose sha256 (``hash_of(f)``) starts with ``hash`` (a renamed file)."""
     if parsed["adapter"] in files:
         return parsed["adapter"]
     if parsed.get("hash"):
         for f in files:
-            if hash_of(f) == parsed["hash"]:
+            if hash_of(f).startswith(parsed["hash"]):
                 return f
     return None
 
@@ -161,11 +195,12 @@ def distance_text(distance) -> tuple[str | None, str | None]:
     if distance is None:
         return None, None
     worst = ", ".join(f"{s} {v:.0%}" for s, v in distance.worst())
-    line = f"this checkpoint is {distance.overall:.1%} from the adapters' base (largest: {worst})"
-    if distance.overall <= WARN_DISTANCE:
+    overall = fingerprint.percent(distance.overall)
+    line = f"this checkpoint is {overall} from the adapters' base (largest: {worst})"
+    if not distance.far:
         return line, None
-    return line, (f"checkpoint {distance.overall:.0%} from the adapters' base (past {WARN_DISTANCE:.0%}): "
-                  "adapters refitted on it keep more (SD Slim tab, start from adapters)")
+    return line, (f"checkpoint {overall} from the adapters' base (past {fingerprint.WARN_TEXT}): adapters refitted "
+                  "on it keep more (SD Slim tab, Start from adapters)")
 
 
 def lora_text(modules: int, tensors: int, forms: dict, seconds: float | None) -> str:

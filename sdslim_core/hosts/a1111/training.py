@@ -20,9 +20,12 @@ import torch
 
 from ... import layout
 from ...io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
+from ...optional import MissingDependency
 from ...train import Calibration, recipes
 from ...train.calibration import SDXL_TIME_EMBEDS, sdxl_time_ids
+from ...train.checkpoint import CheckpointError
 from ...train.config import parse_budget
+from ...train.plan import PlanMemoryError
 from ...train.report import short_site
 from ...train.session import DEFAULT_LATENT
 from .. import train_paths
@@ -33,6 +36,11 @@ SIZE_STEP = 64                          # image sizes are multiples of this (lat
 TIME_EMBED_DIM = 256                    # width of each size/crop embedding in SDXL's vector
 REFINER_CONTEXT = 1280                  # the SDXL refiner's context width (base SDXL: 2048)
 _TEACHER_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# what a Train click is refused with, in one sentence (:func:`refusal_text`): bad input, a file that is not there
+# or cannot be used, a missing package, a run that does not fit (as ``sdslim train`` treats them)
+REFUSALS = (ValueError, OSError, MissingDependency, CheckpointError, PlanMemoryError)
 
 
 class Interrupted(Exception):
@@ -55,12 +63,13 @@ class TrainForm:
     adapter_dtype: str = DEFAULT_FILE_DTYPE   # the adapter file's storage dtype (training runs in float32)
 
     def start_path(self, adapter_dir: str) -> str | None:
-        """The ``start_from`` file in ``adapter_dir`` (a clear error when it is gone), or None."""
+        """The ``start_from`` file in ``adapter_dir`` (FileNotFoundError, in words, when it is gone), or None."""
         if self.start_from is None:
             return None
         path = os.path.join(adapter_dir, self.start_from)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"SD Slim training: start from adapters: {path} not found")
+            raise FileNotFoundError(f"SD Slim training: the Start from adapters file {self.start_from} is not in "
+                                    f"{adapter_dir} any more (renamed or deleted?); choose another one")
         return path
 
     def paths(self, adapter_dir: str) -> tuple[str, str]:
@@ -113,6 +122,9 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
     if recipe == "data-free" and (start_from or (budget or "").strip()):
         raise ValueError("SD Slim training: the data-free recipe takes a ratio only (no budget, no start from "
                          "adapters): it measures nothing")
+    if start_from and (budget or "").strip():
+        raise ValueError("SD Slim training: Start from adapters keeps that file's sites and ranks, so it takes no "
+                         "budget; leave Budget empty")
     if not lines and recipe != "data-free":
         raise ValueError("SD Slim training needs at least one prompt (one per line)")
     budget = (budget or "").strip() or None
@@ -137,6 +149,26 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
                      _whole(seed, "seed", 0), (filename or "").strip(), recipe, start_from, adapter_dtype)
     train_paths.adapter_output("models/sdslim", form.filename)     # the name's own check
     return form
+
+
+def refusal_text(err: BaseException) -> str:
+    """A refusal (:data:`REFUSALS`) as the one sentence the Report box shows."""
+    text = " ".join(str(err).split()) or "the run was refused without a reason (please report this)"
+    return text if text.startswith("SD Slim") else f"SD Slim training: {text}"
+
+
+def diffusers_refusal() -> str | None:
+    """Why the trainer cannot build its teacher here (diffusers missing, or failing to import with this torch), or
+    None."""
+    try:
+        from diffusers import UNet2DConditionModel  # noqa: F401 - what the trainer builds its teacher with
+    except Exception as err:  # noqa: BLE001 - a release made for a newer torch fails with any error at import
+        why = (str(err).strip().splitlines() or [type(err).__name__])[-1]      # diffusers wraps it: its last line
+        state = "is not installed" if isinstance(err, ModuleNotFoundError) and err.name == "diffusers" else \
+            f"does not import with this torch {torch.__version__} ({why})"
+        return (f"SD Slim training needs diffusers, which {state}; restart the webui so that the extension's "
+                "installer adds a release that works with it")
+    return None
 
 
 def busy(state) -> str | None:

@@ -54,7 +54,8 @@ def _comfy_classes(unet, ops):
     """Give the LDM layers ComfyUI's op classes (the stand-in's), as ComfyUI builds them."""
     for m in unet.modules():
         for plain, op in ((torch.nn.Linear, ops.disable_weight_init.Linear), (torch.nn.Conv2d, ops.disable_weight_init.Conv2d),
-                          (torch.nn.GroupNorm, ops.disable_weight_init.GroupNorm)):
+                          (torch.nn.GroupNorm, ops.disable_weight_init.GroupNorm),
+                          (torch.nn.LayerNorm, ops.disable_weight_init.LayerNorm)):
             if isinstance(m, plain) and not hasattr(m, "comfy_cast_weights"):
                 m.__class__ = op
     return unet
@@ -63,11 +64,12 @@ def _comfy_classes(unet, ops):
 @pytest.fixture
 def model(pack):
     """(stand-in ModelPatcher over a tiny float64 LDM UNet, canonical weights copy)."""
+    import comfy.model_base
     import comfy.model_patcher
     import comfy.ops
     torch.manual_seed(0)
     unet = _comfy_classes(randomize_(ldm_unet(tiny_config())).eval(), comfy.ops)
-    base = torch.nn.Module()
+    base = comfy.model_base.BaseModel()
     base.diffusion_model = unet
     base.model_sampling = torch.nn.Module()
     weights = {k: v.clone() for k, v in unet.state_dict().items()}
@@ -508,6 +510,7 @@ def test_hook_loras_on_the_slim_model_are_converted_like_loras(pack, model):
 def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplog):
     """clone() carries everything; wrappers/callbacks/object patches holding the old UNet and patches on
     slimmed keys are dropped by name; the clone's backups and parent link start afresh."""
+    import comfy.model_patcher
     import comfy.patcher_extension as ext
     patcher, weights = model
     src = patcher.clone()
@@ -531,7 +534,8 @@ def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplo
     hook = Hook()
     src.hook_patches = {hook.hook_ref: {f"diffusion_model.{FF}.net.2.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, None)],
                                         attn + ".to_q.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, None)]}}
-    src.backup["diffusion_model.out.2.weight"] = "not ours"
+    theirs = comfy.model_patcher.Backup(weights["out.2.weight"], False)
+    src.backup["diffusion_model.out.2.weight"] = theirs
     with caplog.at_level(logging.WARNING, logger="sdslim"):
         slim = pack.folding.slim_patcher(src, _aset(weights, 0.5))
     msgs = " | ".join(r.getMessage() for r in caplog.records)
@@ -544,7 +548,7 @@ def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplo
     assert set(slim.hook_patches[hook.hook_ref]) == {attn + ".to_q.weight"}
     assert len(src.hook_patches[hook.hook_ref]) == 2 and len(src.object_patches) == 3     # the input keeps all
     assert len(clones) == 1 and clones[0][0] is src                  # ON_CLONE ran: Slim UNet is a clone
-    assert slim.backup == {} and src.backup == {"diffusion_model.out.2.weight": "not ours"}
+    assert slim.backup == {} and src.backup == {"diffusion_model.out.2.weight": theirs}
     assert slim.parent is None and slim.model is not src.model and slim.model.model_lowvram is False
     assert slim.model_size() < src.model_size()
     assert slim.clone().model is slim.model and type(slim.clone()) is type(slim)
@@ -893,3 +897,78 @@ def test_save_slim_checkpoint_stores_the_dtype_the_source_was_stored_in(pack):
     assert [saving.storage_dtypes(choice, src) for choice, src in [
         ("source", None), ("source", bf16), ("source", f8), ("fp16", bf16), ("bf16", None), ("fp8_e4m3fn", bf16),
         ("as held", f16)]] == [(f16, f16), (bf16, bf16), (f8, f16), (f16, f16), (bf16, bf16), (f8, f16), (None, None)]
+
+
+def _folders(fp, tmp_path, *names):
+    fp.folder_names_and_paths.clear()
+    for name in names:
+        (tmp_path / name).mkdir(exist_ok=True)
+        fp.folder_names_and_paths[name] = ([str(tmp_path / name)], {".safetensors"})
+
+
+def _run(m, seed=3):
+    """What ``m`` computes patched the way a custom node or script patches a model: ``patch_model()`` directly."""
+    m.patch_model()
+    try:
+        return _forward(m.model.diffusion_model, seed)
+    finally:
+        m.unpatch_model()
+
+
+def _load_state(m) -> dict:
+    """Where the MODEL's BaseModel stands: its tensors' devices and storage, ComfyUI's load marks on it."""
+    marks = {n: (getattr(x, "comfy_patched_weights", None), getattr(x, "comfy_cast_weights", None),
+                 len(getattr(x, "weight_function", ()))) for n, x in m.model.named_modules()}
+    return {"tensors": {k: (v.device, v.untyped_storage().data_ptr()) for k, v in m.model.state_dict().items()},
+            "marks": marks, "uuid": m.model.current_weight_patches_uuid, "lowvram": m.model.model_lowvram,
+            "loaded": m.model.model_loaded_weight_memory}
+
+
+def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tmp_path):
+    """The bug: a LoRA added after Slim UNet, on a slim MODEL that Save Slim Checkpoint had just written, computed
+    the slim model without the LoRA (max abs diff 0.35 in a real ComfyUI). The save's forced load
+    (``load_models_gpu(force_patch_weights=True)``, as ComfyUI's Save Checkpoint) left the slim BaseModel loaded,
+    every module marked patched, so the LoRA clone's ``patch_model()`` skipped them all. The save now unloads what it
+    loaded: the saved MODEL (here with a LoRA, patched into the shared weights by the save), its parent and a LoRA
+    added afterwards compute what they computed before, the same LoRA folded in before Slim UNet being the reference;
+    a model loaded before the save stays loaded."""
+    import comfy.model_management as mm
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim", "checkpoints")
+    patcher, weights = model
+    _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
+    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
+    lora = {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+
+    def slim(m):
+        return pack.specs.SLIM.run(model=m, adapters="a.safetensors", strength=1.0, enable=True).values[0]
+
+    def with_lora(m, strength):
+        m = m.clone()
+        m.add_patches(lora, strength)
+        return m
+    plain = slim(patcher)
+    reference = _run(plain)
+    want = {s: _run(slim(with_lora(patcher, s))) for s in (0.6, -0.9)}
+    assert (want[0.6] - reference).abs().max() > 1e-3                 # the LoRA matters
+
+    def save(m, name):
+        state, loaded = _load_state(m), list(mm.current_loaded_models)
+        pack.specs.SAVE_SLIM.run(model=m, filename=name, destination="checkpoints", overwrite=False,
+                                 embed_adapters=False)
+        assert (tmp_path / "checkpoints" / f"{name}.safetensors").is_file()
+        return state, loaded
+    state, loaded = save(plain, "plain")
+    torch.testing.assert_close(_run(with_lora(plain, -0.9)), want[-0.9], rtol=1e-5, atol=1e-6)   # the bug
+    assert _load_state(plain) == state and mm.current_loaded_models == loaded
+    saved = with_lora(plain, 0.6)
+    state, loaded = save(saved, "with_lora")                          # its LoRA forced into the shared weights
+    assert _load_state(saved) == state and mm.current_loaded_models == loaded
+    torch.testing.assert_close(_run(plain), reference)
+    torch.testing.assert_close(_run(saved), want[0.6], rtol=1e-5, atol=1e-6)
+    mm.load_models_gpu([saved])                                      # through ComfyUI's loader: the same
+    torch.testing.assert_close(_forward(saved.model.diffusion_model), want[0.6], rtol=1e-5, atol=1e-6)
+    save(saved, "loaded")
+    assert [lm.model for lm in mm.current_loaded_models] == [saved]   # loaded before the save: stays loaded
+    mm.unload_all_models()
+    torch.testing.assert_close(_run(plain), reference)

@@ -1002,6 +1002,49 @@ def test_save_slim_checkpoint_writes_what_load_slim_checkpoint_reads(comfy, tiny
     assert not list(ckpts.glob("**/*.tmp")) and not list(ckpts.glob("**/.*.tmp"))
 
 
+def test_saving_never_changes_what_the_model_computes_afterwards(comfy, tiny, intercept_adapters, lora_files,
+                                                              adapter_dir, tmp_path, monkeypatch, capsys):
+    """The bug: a LoRA added after Slim UNet on a slim MODEL that Save Slim Checkpoint had just written computed the
+    slim model without the LoRA. The save's forced load (``load_models_gpu(force_patch_weights=True)``, as ComfyUI's
+    Save Checkpoint) left the slim BaseModel loaded, every module marked patched, and the LoRA clone's
+    ``patch_model()`` (not ComfyUI's loader, which detaches the loaded clone first) skipped them all; ComfyUI's own
+    Save Checkpoint leaves its model so (measured and printed here). Save Slim Checkpoint and Save Slim GGUF now
+    unload what they loaded: the saved MODEL (with a LoRA, forced into the weights its parent shares), its parent and
+    a LoRA added later compute what they computed before, patched either way, the LoRA folded in before Slim UNet
+    being the reference."""
+    patcher, _ = tiny
+    mm = comfy["mm"]
+    _tiny_detection(comfy, monkeypatch, tmp_path)
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    x, t, ctx = _inputs()
+    mm.unload_all_models()
+    slim = _slim(comfy, patcher, intercept_adapters)
+    plain = _run(slim, x, t, ctx)
+    want = _run(_slim(comfy, loader.load_lora_model_only(patcher, "lora.safetensors", 0.9)[0], intercept_adapters),
+                x, t, ctx)
+    comfy["sd"].save_checkpoint(str(tmp_path / "comfyui_save.safetensors"), slim)
+    comfyui_left = (_run(loader.load_lora_model_only(slim, "lora.safetensors", 0.9)[0], x, t, ctx) - want).abs().max()
+    mm.unload_all_models()
+    save = _node(comfy, "SdslimSaveSlimCheckpoint")
+    save.execute(model=slim, filename="plain", destination="checkpoints", overwrite=False, embed_adapters=False)
+    after = _run(loader.load_lora_model_only(slim, "lora.safetensors", 0.9)[0], x, t, ctx)
+    torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-5)
+    assert not mm.current_loaded_models
+    (saved,) = loader.load_lora_model_only(slim, "lora.safetensors", 0.9)
+    snap = _snapshot(saved)
+    save.execute(model=saved, filename="lora", destination="checkpoints", overwrite=False, embed_adapters=False)
+    _node(comfy, "SdslimSaveSlimGGUF").execute(model=saved, filename="lora", quant="Q8_0", overwrite=False,
+                                               embed_adapters=False)
+    _assert_unchanged(saved, snap)
+    assert not mm.current_loaded_models
+    torch.testing.assert_close(_run(slim, x, t, ctx), plain)
+    torch.testing.assert_close(_run(saved, x, t, ctx), want, rtol=1e-4, atol=1e-5)
+    with capsys.disabled():
+        print(f"\nafter ComfyUI's Save Checkpoint, a LoRA clone patched by patch_model(): max abs diff "
+              f"{comfyui_left:.4f} from the LoRA; after Save Slim Checkpoint: "
+              f"{(after - want).abs().max():.2e} (the LoRA's own effect: {(want - plain).abs().max():.4f})")
+
+
 # ---------------------------------------------------------------------------------- the shipped tiny demo
 
 def test_tiny_demo_node_gives_comfyui_objects_that_match_the_core_pipeline(comfy, caplog):

@@ -26,6 +26,8 @@ NAMES = (
     "comfy.model_management.unload_all_models",
     "comfy.model_management.unet_offload_device",
     "comfy.model_management.cast_to",
+    "comfy.model_management.unet_dtype",
+    "comfy.model_management.unet_manual_cast",
     "comfy.model_management.vram_state",
     "comfy.model_management.VRAMState.NO_VRAM",
     "comfy.model_management.LoadedModel.__init__",
@@ -65,6 +67,11 @@ NAMES = (
     "comfy.utils.get_attr",
     "comfy.utils.set_attr",
     "comfy.utils.set_attr_param",
+    "comfy.utils.weight_dtype",
+    "comfy.utils.calculate_parameters",
+    "comfy.model_detection.model_config_from_unet",
+    "comfy.supported_models.models",
+    "comfy.sd.load_state_dict_guess_config",
     "comfy.utils.copy_to_param",
     "comfy.utils.ProgressBar.__init__",
     "comfy.utils.ProgressBar.update_absolute",
@@ -76,6 +83,7 @@ NAMES = (
     "folder_paths.get_folder_paths",
     "folder_paths.get_filename_list",
     "folder_paths.get_full_path",
+    "folder_paths.get_full_path_or_raise",
     "folder_paths.add_model_folder_path",
 )
 # ModelPatcher instance fields that nodes/folding.py resets when it points a clone at the slim model

@@ -62,6 +62,16 @@ def unet_offload_device():
     return torch.device("cpu")
 
 
+def unet_dtype(device=None, model_params=0, supported_dtypes=[torch.float16, torch.bfloat16, torch.float32],
+               weight_dtype=None):
+    """float32, what ComfyUI computes a UNet in on a CPU (the stand-in does not model a GPU's fp16)."""
+    return torch.float32
+
+
+def unet_manual_cast(weight_dtype, inference_device, supported_dtypes=[torch.float16, torch.bfloat16, torch.float32]):
+    return None
+
+
 def get_torch_device_name(device):
     return str(device)
 
@@ -108,6 +118,7 @@ class LoadedModel:
 
 def load_models_gpu(models, memory_required=0, force_patch_weights=False, minimum_memory_required=None,
                     force_full_load=False):
+    current_loaded_models[:] = [lm for lm in current_loaded_models if lm.model is not None]   # their patcher died
     to_load = []
     for x in models:
         loaded = LoadedModel(x)

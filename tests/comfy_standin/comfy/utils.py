@@ -19,6 +19,19 @@ def set_attr(obj, attr, value):
     return prev
 
 
+def calculate_parameters(sd, prefix=""):
+    return sum(v.nelement() for k, v in sd.items() if k.startswith(prefix))
+
+
+def weight_dtype(sd, prefix=""):
+    """The dtype holding most of the elements under ``prefix`` (None for none)."""
+    counts = {}
+    for k, v in sd.items():
+        if k.startswith(prefix):
+            counts[v.dtype] = counts.get(v.dtype, 0) + v.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
 def set_attr_param(obj, attr, value):
     return set_attr(obj, attr, torch.nn.Parameter(value, requires_grad=False))
 

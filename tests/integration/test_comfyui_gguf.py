@@ -344,10 +344,17 @@ def test_a_lora_after_load_slim_gguf_is_applied_on_a_gpu(comfy, files, gguf_pack
 
 def test_save_slim_gguf_writes_what_load_slim_gguf_reads(comfy, files, gguf_pack, teacher):
     """Tiny teacher → Slim UNet → LoRA → Save Slim GGUF (Q8_0) → Load Slim GGUF: the file holds the slim UNet with
-    the LoRA, quantised by the gguf package (checked against its own dequantisation), marked slim, no adapters."""
+    the LoRA, quantised by the gguf package (checked against its own dequantisation), marked slim, no adapters. The
+    teacher's UNet is loaded by ComfyUI's own loader here (the Tiny Demo node's MODEL is refused by the Save nodes:
+    without this module's detection of the tiny UNet, ComfyUI cannot load what they would write)."""
+    from sdslim_core import tiny
     from sdslim_core.io import gguf as io_gguf
+    from sdslim_core.io.tensors import LazyStateDict
     folder, _ = files
-    model_t, _, _, probes = teacher
+    _, _, _, probes = teacher
+    lazy = LazyStateDict(tiny.DEFAULT_PATH)
+    model_t = comfy["sd"].load_diffusion_model_state_dict({k: lazy[k] for k in lazy
+                                                           if k.startswith("model.diffusion_model.")})
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=model_t, adapters="tiny_sd15_slim_half.safetensors",
                                                      strength=1.0, enable=True).args
     (with_lora,) = comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(slim, "tiny_lora_green.safetensors", 1.0)

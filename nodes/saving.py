@@ -109,12 +109,12 @@ def storage_dtypes(choice: str, source):
 
 
 @contextlib.contextmanager
-def patched(models: list):
-    """Within the block, ``models`` (ModelPatchers) are loaded with every patch in their weights, as ComfyUI's Save
-    Checkpoint loads them (``load_models_gpu(..., force_patch_weights=True)``); afterwards each model this added to
-    ComfyUI's loaded models is unloaded as ComfyUI unloads one (``LoadedModel.model_unload``: weights restored from
-    their backups and back on the offload device, the load marks on the modules cleared). A model loaded before
-    stays loaded.
+def patched(model, clip=None):
+    """Within the block, ``model`` (and ``clip``'s model) are loaded with every patch in their weights, as ComfyUI's
+    Save Checkpoint loads them (``load_models_gpu(..., force_patch_weights=True)``); afterwards each model this added
+    to ComfyUI's loaded models is unloaded as ComfyUI unloads one (``LoadedModel.model_unload``: weights restored
+    from their backups and back on the offload device, the load marks on the modules cleared). A model loaded
+    before stays loaded.
 
     ComfyUI's own Save Checkpoint leaves its model loaded, every module of the BaseModel its clones share marked as
     patched (``comfy_patched_weights``): a clone then patched by ``patch_model()`` rather than ComfyUI's loader
@@ -122,8 +122,8 @@ def patched(models: list):
     after the save does nothing). After :func:`patched` the models compute what they computed before."""
     mm = comfy.model_management
     before = list(mm.current_loaded_models)
-    mm.load_models_gpu(models, force_patch_weights=True)
     try:
+        mm.load_models_gpu([model] + ([clip.load_model()] if clip is not None else []), force_patch_weights=True)
         yield
     finally:
         loaded = mm.current_loaded_models
@@ -155,7 +155,7 @@ def save_checkpoint(model, filename: str, destination: str, clip=None, vae=None,
     extra = _adapter_tensors(info, torch.float16) if embed_adapters else {}
     meta = _record(model, info, "fp16" if embed_adapters else None)
     clip_sd, vae_sd = _parts(clip, vae)
-    with patched([model] + ([clip.load_model()] if clip is not None else [])):
+    with patched(model, clip):
         sd = {**model.model.state_dict_for_saving(clip_sd, vae_sd, None), **extra}
 
         def stored(key, t):
@@ -198,7 +198,7 @@ def save_gguf(model, filename: str, qtype: str, overwrite: bool = False, embed_a
     adapters = _adapter_tensors(info, None) if embed_adapters else {}
     meta = {k: v for k, v in _record(model, info, io_gguf.ADAPTER_TYPE if embed_adapters else None).items()
             if k.startswith("sdslim.")}
-    with patched([model]):
+    with patched(model):
         sd = model.model.diffusion_model.state_dict()
         entries = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()] + \
             [(k, v.dtype, tuple(v.shape)) for k, v in adapters.items()]

@@ -933,8 +933,23 @@ def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tm
     every module marked patched, so the LoRA clone's ``patch_model()`` skipped them all. The save now unloads what it
     loaded: the saved MODEL (here with a LoRA, patched into the shared weights by the save), its parent and a LoRA
     added afterwards compute what they computed before, the same LoRA folded in before Slim UNet being the reference;
-    a model loaded before the save stays loaded."""
+    the CLIP it saves (with a patch) is unloaded again too; a model loaded before the save stays loaded."""
     import comfy.model_management as mm
+    import comfy.model_patcher
+
+    class Clip:
+        """What the save asks of ComfyUI's CLIP: its tensors, and its patcher loaded (``load_model``)."""
+        def __init__(self):
+            self.patcher = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"),
+                                                            torch.device("cpu"))
+            self.patcher.add_patches({"weight": ("diff", (torch.ones(2, 2),))})
+
+        def get_sd(self):
+            return {"cond_stage_model." + k: v for k, v in self.patcher.model.state_dict().items()}
+
+        def load_model(self):
+            mm.load_models_gpu([self.patcher])
+            return self.patcher
     fp = pack.folder_paths
     _folders(fp, tmp_path, "sdslim", "checkpoints")
     patcher, weights = model
@@ -954,15 +969,18 @@ def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tm
     want = {s: _run(slim(with_lora(patcher, s))) for s in (0.6, -0.9)}
     assert (want[0.6] - reference).abs().max() > 1e-3                 # the LoRA matters
 
-    def save(m, name):
+    def save(m, name, clip=None):
         state, loaded = _load_state(m), list(mm.current_loaded_models)
         pack.specs.SAVE_SLIM.run(model=m, filename=name, destination="checkpoints", overwrite=False,
-                                 embed_adapters=False)
+                                 embed_adapters=False, clip=clip)
         assert (tmp_path / "checkpoints" / f"{name}.safetensors").is_file()
         return state, loaded
-    state, loaded = save(plain, "plain")
+    clip = Clip()
+    clip_weight = clip.patcher.model.weight.detach().clone()
+    state, loaded = save(plain, "plain", clip)
     torch.testing.assert_close(_run(with_lora(plain, -0.9)), want[-0.9], rtol=1e-5, atol=1e-6)   # the bug
     assert _load_state(plain) == state and mm.current_loaded_models == loaded
+    assert torch.equal(clip.patcher.model.weight, clip_weight) and not clip.patcher.backup
     saved = with_lora(plain, 0.6)
     state, loaded = save(saved, "with_lora")                          # its LoRA forced into the shared weights
     assert _load_state(saved) == state and mm.current_loaded_models == loaded

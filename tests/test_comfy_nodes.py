@@ -901,6 +901,13 @@ def test_save_slim_checkpoint_stores_the_dtype_the_source_was_stored_in(pack):
         ("as held", f16)]] == [(f16, f16), (bf16, bf16), (f8, f16), (f16, f16), (bf16, bf16), (f8, f16), (None, None)]
 
 
+def _merged_loras(pack, weights) -> dict:
+    """The patches of :func:`_late_loras` that the stand-in's ComfyUI merges itself (LoRA, LoCon, diff; its LoHa and
+    LoKr compute nothing), so the same LoRA goes before Slim UNet too."""
+    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
+    return {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+
+
 def _folders(fp, tmp_path, *names):
     fp.folder_names_and_paths.clear()
     for name in names:
@@ -954,8 +961,7 @@ def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tm
     _folders(fp, tmp_path, "sdslim", "checkpoints")
     patcher, weights = model
     _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
-    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    lora = {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+    lora = _merged_loras(pack, weights)
 
     def slim(m):
         return pack.specs.SLIM.run(model=m, adapters="a.safetensors", strength=1.0, enable=True).values[0]
@@ -1045,8 +1051,7 @@ def test_slim_unet_folds_on_the_load_device_and_a_lora_after_it_computes_there(p
     _folders(fp, tmp_path, "sdslim")
     patcher, weights = model
     _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
-    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    lora = {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+    lora = _merged_loras(pack, weights)
     folded_on = set()
     real_fold = fold.fold_site
     monkeypatch.setattr(fold, "fold_site", lambda site, kind, get, tensors: real_fold(
@@ -1064,6 +1069,8 @@ def test_slim_unet_folds_on_the_load_device_and_a_lora_after_it_computes_there(p
             after = slim.clone()
             after.add_patches(lora, -0.4)
             outs[name] = _sampled(after, device, lowvram, monkeypatch)
+            outs[name + " without"] = _sampled(slim, device, lowvram, monkeypatch)
+    assert (outs["device"] - outs["device without"]).abs().max() > 1e-3           # the LoRA acts
     torch.testing.assert_close(outs["device"], outs["cpu"], rtol=1e-6, atol=1e-7)
 
 
@@ -1112,8 +1119,7 @@ def test_load_slim_checkpoint_and_a_lora_after_it_on_a_gpu_load_device(pack, mod
     save_file_atomic({layout.CHECKPOINT_PREFIX + k: v.float() for k, v in weights.items()}, tmp_path / "full.st")
     slim_checkpoint(tmp_path / "full.st", tmp_path / "sdslim" / "a.safetensors",
                     tmp_path / "checkpoints" / "slim.safetensors")
-    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    lora = {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+    lora = _merged_loras(pack, weights)
     outs = {}
     for name in ("cpu", "device"):
         with emulated_device() as dev:
@@ -1122,8 +1128,10 @@ def test_load_slim_checkpoint_and_a_lora_after_it_on_a_gpu_load_device(pack, mod
             loaded, clip, vae = pack.specs.LOAD_SLIM.run(ckpt_name="slim.safetensors").values
             assert (loaded.load_device, loaded.offload_device) == (device, torch.device("cpu")) and clip is None
             after = loaded.clone()
-            after.add_patches({k: v for k, v in lora.items()}, 0.8)
+            after.add_patches(lora, 0.8)
             outs[name] = _sampled(after, device, lowvram, monkeypatch)
+            outs[name + " without"] = _sampled(loaded, device, lowvram, monkeypatch)
+    assert (outs["device"] - outs["device without"]).abs().max() > 1e-3           # the LoRA acts
     torch.testing.assert_close(outs["device"], outs["cpu"], rtol=1e-6, atol=1e-7)
 
 
@@ -1151,8 +1159,7 @@ def test_save_nodes_write_from_a_gpu_what_they_write_from_the_cpu(pack, model, t
     _folders(fp, tmp_path, "sdslim", "checkpoints", "diffusion_models")
     patcher, weights = model
     _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
-    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    lora = {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+    lora = _merged_loras(pack, weights)
     for name in ("cpu", "device"):
         with emulated_device() as dev:
             device = dev if name == "device" else torch.device("cpu")
@@ -1228,8 +1235,7 @@ def test_train_node_trains_on_the_models_load_device(pack, tmp_path, monkeypatch
     weights = {k: v.clone() for k, v in base.diffusion_model.state_dict().items()}
     start = _with_intercept(_aset(weights, 0.5))
     start.save(tmp_path / "sdslim" / "start.safetensors")
-    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
-    lora = {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+    lora = _merged_loras(pack, weights)
     positive = [[torch.randn(1, 77, 32, generator=torch.Generator().manual_seed(0)), {}]]
     calls, real_train, real_slim = [], sdslim_core.train.train_adapters, swap.slim_module
     monkeypatch.setattr(sdslim_core.train, "train_adapters", lambda *a, **k: calls.append(k["device"]) or real_train(

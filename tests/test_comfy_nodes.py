@@ -925,12 +925,15 @@ def _run(m, seed=3):
 
 
 def _load_state(m) -> dict:
-    """Where the MODEL's BaseModel stands: its tensors' devices and storage, ComfyUI's load marks on it."""
+    """Where the MODEL's BaseModel stands: its tensors (device, dtype, a hash of the values), ComfyUI's load marks on
+    its modules and on it."""
+    import hashlib
     marks = {n: (getattr(x, "comfy_patched_weights", None), getattr(x, "comfy_cast_weights", None),
                  len(getattr(x, "weight_function", ()))) for n, x in m.model.named_modules()}
-    return {"tensors": {k: (v.device, v.untyped_storage().data_ptr()) for k, v in m.model.state_dict().items()},
-            "marks": marks, "uuid": m.model.current_weight_patches_uuid, "lowvram": m.model.model_lowvram,
-            "loaded": m.model.model_loaded_weight_memory}
+    tensors = {k: (v.device, v.dtype, hashlib.sha256(v.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
+               for k, v in m.model.state_dict().items()}
+    return {"tensors": tensors, "marks": marks, "uuid": m.model.current_weight_patches_uuid,
+            "lowvram": m.model.model_lowvram, "loaded": m.model.model_loaded_weight_memory}
 
 
 def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tmp_path):
@@ -1004,7 +1007,9 @@ def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tm
 # ComfyUI with a GPU gives every MODEL a load device (the GPU) and an offload device (the CPU): weights wait on the
 # CPU, load_models_gpu moves them and computes the patches there (comfy.lora.calculate_weight brings each patch's
 # tensors to the weight), and --lowvram / --novram keep layers on the CPU, cast per forward with their patches.
-# The load device here is emulated_device.py's: CUDA's placement rules, the CPU's values.
+# The load device here is emulated_device.py's: CUDA's placement rules, the CPU's values. Load Slim GGUF runs on it
+# in tests/integration/test_comfyui_gguf.py only: a stand-in for ComfyUI-GGUF (its tensor class, ops, loader and
+# patcher) would be a second ComfyUI-GGUF, testing itself.
 
 def _on(patcher, device):
     """A ModelPatcher over ``patcher``'s BaseModel with ``device`` as its load device and the CPU as offload."""
@@ -1150,7 +1155,8 @@ def test_save_nodes_write_from_a_gpu_what_they_write_from_the_cpu(pack, model, t
     """Guards the Save nodes with a GPU: their forced load puts the patched weights on the load device (lowvram: the
     layers ComfyUI keeps on the CPU are patched there in place) and both writers read them from there (the
     safetensors stream, the GGUF quantiser). A slim MODEL with a LoRA after it, loaded on the device before the save
-    (as after a sampling), is written byte for byte as from the CPU, stays loaded and computes what it computed."""
+    (as after a sampling), is written byte for byte as from the CPU, stays loaded and computes what it computed;
+    saved when not loaded, it is left unloaded, its weights back on the CPU."""
     from emulated_device import emulated_device
     import comfy.model_management as mm
     from sdslim_core.io.tensors import load_file
@@ -1171,6 +1177,10 @@ def test_save_nodes_write_from_a_gpu_what_they_write_from_the_cpu(pack, model, t
             pack.specs.SAVE_GGUF.run(model=m, filename=name, quant="Q8_0", overwrite=False, embed_adapters=False)
             assert [lm.model for lm in mm.current_loaded_models] == [m]
             mm.unload_all_models()
+            state = _load_state(m)
+            pack.specs.SAVE_SLIM.run(model=m, filename=f"{name}_unloaded", destination="checkpoints",
+                                     overwrite=False, embed_adapters=False, dtype="as held")
+            assert _load_state(m) == state and not mm.current_loaded_models            # loaded by it: unloaded
             torch.testing.assert_close(_sampled(m, device, lowvram, monkeypatch), before, rtol=0, atol=0)
     cpu, got = (load_file(tmp_path / "checkpoints" / f"{n}.safetensors")[0] for n in ("cpu", "device"))
     assert got.keys() == cpu.keys() and all(torch.equal(got[k], cpu[k]) for k in cpu)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from sdslim_core import layout  # noqa: E402
 from sdslim_core.apps.slim import slim_checkpoint  # noqa: E402
-from sdslim_core.io.adapters import AdapterSet  # noqa: E402
+from sdslim_core.io.adapters import DEFAULT_FILE_DTYPE, AdapterSet, file_dtype  # noqa: E402
 from sdslim_core.io.sizes import file_size  # noqa: E402
 from sdslim_core.modules.unet import open_checkpoint  # noqa: E402
 
@@ -53,11 +53,12 @@ def family_rows(family: str, work: Path, keep: bool) -> tuple[list, dict]:
                         str(ckpt)], check=True)
     src = open_checkpoint(ckpt)
     shapes = {k: tuple(v) for k, v in src.weights.shapes().items()}
-    adapters = work / f"{family}_ratio{RATIO}_adapters.safetensors"
+    adapters = work / f"{family}_ratio{RATIO}_adapters_{DEFAULT_FILE_DTYPE}.safetensors"
     if not adapters.exists():
-        AdapterSet.shaped_like(shapes, family, RATIO).save(adapters)
+        AdapterSet.shaped_like(shapes, family, RATIO).save(adapters, dtype=file_dtype(DEFAULT_FILE_DTYPE))
     rows = [("source checkpoint (fp16)", file_size(ckpt).to_dict()),
-            ("adapter file (float32, as `sdslim train` writes it; one per base model)", file_size(adapters).to_dict())]
+            (f"adapter file ({DEFAULT_FILE_DTYPE}, as `sdslim train` writes it; one per base model)",
+             file_size(adapters).to_dict())]
     timings = {}
 
     def write(name, source, aset, **kw) -> Path:

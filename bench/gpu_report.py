@@ -10,7 +10,10 @@ import math
 import os
 from pathlib import Path
 
-GOAL_REL_ERR = 0.10   # the estimator's goal against torch's allocated peak
+from sdslim_core.vram.allocator import DEFAULT_CONTEXT_GIB   # torch-free
+
+GOAL_REL_ERR = 0.10   # the estimator's goal (device peak vs NVML; allocated vs torch's)
+GIB = 2 ** 30
 
 
 def finite(obj):
@@ -84,67 +87,135 @@ def _environment(r) -> list:
     for k, why in env.get("not_importable", {}).items():
         if k in ("bitsandbytes", "xformers"):
             lines.append(f"  - {k}: {why}")
+    c = env.get("context") or {}
+    if c.get("context_gib") is not None:
+        lines.append(f"- CUDA context (NVML − torch reserved after a tiny train + sample step): {c['context_gib']:.2f} GiB "
+                     f"(NVML before this process: {_f(c.get('before_gib'))} GiB)")
     return lines + [""]
 
 
+def context_gib(r):
+    """(context GiB, where from): the environment part's measurement, else the estimator's named default."""
+    from_env = (_result(r, "environment").get("context") or {}).get("context_gib")
+    if isinstance(from_env, (int, float)):
+        return from_env, "measured by the environment part"
+    return DEFAULT_CONTEXT_GIB, "the estimator's default (not measured in this run)"
+
+
+def _err(e, m):
+    return e / m - 1 if isinstance(e, (int, float)) and isinstance(m, (int, float)) and m else None
+
+
 def vram_rows(r) -> list:
-    """Per measured point: the estimate beside torch allocated/reserved and the device peak, with errors."""
-    measured = _result(r, "vram_study").get("curves", [])
+    """Per measured seed-study point: the estimate beside torch's allocated peak, the allocator model beside torch's
+    reserved peak, and the predicted device peak (model reserve + context) beside NVML's reading."""
+    measured = _result(r, "seed_study").get("curves", [])
     estimated = {(c["name"], p["batch"]): p for c in _result(r, "vram_estimate").get("curves", [])
                  for p in c["points"]}
+    context, _ = context_gib(r)
     rows = []
     for c in measured:
         for p in c["points"]:
-            e = estimated.get((c["name"], p["batch"]), {}).get("peak_gib")
-
-            def err(m, e=e):
-                return e / m - 1 if isinstance(e, (int, float)) and isinstance(m, (int, float)) and m else None
-            rows.append({"name": c["name"], "batch": p["batch"], "estimate": e, "allocated": p["peak_gib"],
-                         "err_allocated": err(p["peak_gib"]), "reserved": p.get("reserved_gib"),
-                         "err_reserved": err(p.get("reserved_gib")), "device": p.get("nvml_peak_gib"),
-                         "err_device": err(p.get("nvml_peak_gib")), "device_source": p.get("device_peak_source"),
+            e = estimated.get((c["name"], p["batch"]), {})
+            est, est_res = e.get("peak_gib"), e.get("reserved_gib")
+            device = p.get("nvml_end_gib")
+            est_dev = est_res + context if isinstance(est_res, (int, float)) else None
+            rows.append({"name": c["name"], "batch": p["batch"], "estimate": est, "allocated": p["peak_gib"],
+                         "err_allocated": _err(est, p["peak_gib"]), "reserved": p.get("reserved_gib"),
+                         "model_reserved": est_res, "err_reserved": _err(est_res, p.get("reserved_gib")),
+                         "device": device, "predicted_device": est_dev, "err_device": _err(est_dev, device),
+                         "err_device_allocated_only": _err(est, device),
+                         "device_polled": p.get("nvml_peak_gib"), "point_context": p.get("context_gib"),
                          "phase": p.get("phase"), "step_s": p.get("step_seconds")})
     return rows
 
 
+def _summary(errs, label):
+    errs = [e for e in errs if e is not None]
+    if not errs:
+        return f"{label}: no point"
+    ok = sum(abs(e) <= GOAL_REL_ERR for e in errs)
+    worst = max(errs, key=abs)
+    return (f"{label}: {ok} of {len(errs)} within {GOAL_REL_ERR:.0%} (worst {worst:+.1%}, mean "
+            f"{sum(errs) / len(errs):+.1%})")
+
+
 def _vram(r) -> list:
-    if "vram_study" not in r["parts"] and "vram_estimate" not in r["parts"]:
+    if "seed_study" not in r["parts"] and "vram_estimate" not in r["parts"]:
         return []
     rows = vram_rows(r)
-    lines = [f"## VRAM: `sdslim vram estimate` vs measured (goal |error| <= {GOAL_REL_ERR:.0%} vs torch allocated)",
-             ""]
+    context, source = context_gib(r)
+    lines = ["## Training VRAM: the seed's study measured vs `sdslim vram estimate`", "",
+             f"Device peak predicted = the allocator model's reserve + the CUDA context {context:.2f} GiB ({source}); "
+             "measured = NVML's whole-device reading at the end of each point (the reserve only grows within a "
+             "point). Goal: |error| ≤ 10 % on the device peak, next to torch's allocated peak.", ""]
     if rows:
-        lines += ["| setting | B | estimate GiB | torch allocated | err | reserved | err | device peak | err | phase |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| setting | B | allocated | estimate | err | reserved | model | err | device (NVML) | predicted | "
+                  "err | NVML−reserved | phase | s/step |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     else:
         lines.append("No point was measured (see the parts table).")
     for x in rows:
-        lines.append(f"| {x['name']} | {x['batch']} | {_f(x['estimate'])} | {_f(x['allocated'])} | "
-                     f"{_pct(x['err_allocated'])} | {_f(x['reserved'])} | {_pct(x['err_reserved'])} | "
-                     f"{_f(x['device'])} | {_pct(x['err_device'])} | {x['phase']} |")
-    errs = [x["err_allocated"] for x in rows if x["err_allocated"] is not None]
-    if errs:
-        ok = sum(abs(e) <= GOAL_REL_ERR for e in errs)
-        worst = max(errs, key=abs)
-        lines += ["", f"{ok} of {len(errs)} points within {GOAL_REL_ERR:.0%} of torch's allocated peak (worst "
-                      f"{worst:+.1%}; mean {sum(errs) / len(errs):+.1%}). Device peak source: "
-                      f"{', '.join(sorted({str(x['device_source']) for x in rows}))}."]
-    for c in _result(r, "vram_study").get("curves", []):
+        lines.append(f"| {x['name']} | {x['batch']} | {_f(x['allocated'])} | {_f(x['estimate'])} | "
+                     f"{_pct(x['err_allocated'])} | {_f(x['reserved'])} | {_f(x['model_reserved'])} | "
+                     f"{_pct(x['err_reserved'])} | {_f(x['device'])} | {_f(x['predicted_device'])} | "
+                     f"{_pct(x['err_device'])} | {_f(x['point_context'])} | {x['phase']} | {_f(x['step_s'])} |")
+    if rows:
+        lines += ["", "- " + _summary([x["err_allocated"] for x in rows], "estimate vs torch allocated"),
+                  "- " + _summary([x["err_reserved"] for x in rows], "allocator model vs torch reserved"),
+                  "- " + _summary([x["err_device"] for x in rows], "predicted vs NVML device peak"),
+                  "- " + _summary([x["err_device_allocated_only"] for x in rows],
+                                  "for comparison, the bare estimate vs NVML")]
+    for c in _result(r, "seed_study").get("curves", []):
         for note in c.get("notes", []):
             lines.append(f"- {c['name']}: {note}")
     est = _result(r, "vram_estimate")
     for name, err in (est.get("errors") or {}).items():
         lines.append(f"- estimate {name} failed: {err[:200]}")
-    if est.get("device_mode"):
-        lines.append(f"- estimator device mode: {est['device_mode']}")
+    if est.get("not_run"):
+        lines.append(f"- not estimated (the part's cap): {', '.join(est['not_run'])}")
+    if est.get("gpu"):
+        lines.append(f"- estimator processes: {est['gpu']}; device mode {est.get('device_mode')}")
+    lines += [""] + _conclusions(r)
     return lines + [""]
+
+
+def _conclusions(r) -> list:
+    """The seed's constant / slope / order classification of every setting against its baseline, from the measured
+    curves and from the estimated ones (``vram.fit.classify``), side by side."""
+    try:
+        from sdslim_core.vram.fit import classify, fit_curve
+    except ImportError:
+        return []
+    measured = {c["name"]: c for c in _result(r, "seed_study").get("curves", []) if len(c["points"]) > 1}
+    estimated = {c["name"]: c for c in _result(r, "vram_estimate").get("curves", [])}
+    lines = ["**The seed's conclusions, measured vs estimated** (fit `max(plateau, a + b·B)` of the points, each "
+             "setting against its baseline):", "", "| setting | vs | measured: fit | measured effect | "
+             "estimated effect (same B) |", "|---|---|---|---|---|"]
+    n = 0
+    for name, c in measured.items():
+        base = measured.get(c.get("baseline"))
+        if base is None or base is c:
+            continue
+        fm, fb = fit_curve(c["points"]), fit_curve(base["points"])
+        batches = {p["batch"] for p in c["points"]}
+        est_c, est_b = estimated.get(name), estimated.get(c.get("baseline"))
+        est = "n/a"
+        if est_c and est_b:
+            pe = [p for p in est_c["points"] if p["batch"] in batches]
+            pb = [p for p in est_b["points"] if p["batch"] in {p["batch"] for p in base["points"]}]
+            if len(pe) > 1 and len(pb) > 1:
+                est = classify(fit_curve(pb), fit_curve(pe))
+        lines.append(f"| {name} | {c['baseline']} | {fm.intercept_gib:.2f} + {fm.slope_gib:.3f}·B, plateau "
+                     f"{fm.plateau_gib:.2f} | {classify(fb, fm)} | {est} |")
+        n += 1
+    return lines + [""] if n else []
 
 
 def _trainer(r) -> list:
     fams = [(n, _result(r, n)) for n in ("trainer_sd15", "trainer_sdxl") if n in r["parts"]]
     if not fams:
         return []
-    lines = ["## Trainer on CUDA (`train_adapters`, random full-size teachers, the trainer's CUDA defaults)", "",
+    lines = ["## Trainer on CUDA (`train_adapters`, random full-size teachers, under an 8 GiB device limit)", "",
              "| | " + " | ".join(n.split("_")[1] for n, _ in fams) + " |", "|---|" + "---|" * len(fams),
              "| status | " + " | ".join(r["parts"][n]["status"] for n, _ in fams) + " |"]
 
@@ -153,52 +224,74 @@ def _trainer(r) -> list:
         for _, t in fams:
             try:
                 vals.append(fn(t) if t else "n/a")
-            except (KeyError, TypeError, AttributeError):
+            except (KeyError, TypeError, AttributeError, ValueError):
                 vals.append("n/a")
         lines.append(f"| {label} | " + " | ".join(str(v) for v in vals) + " |")
-    row("sites (by kind)", lambda t: f"{t['sites']} ({', '.join(f'{k} {v}' for k, v in t['ranks_by_kind'].items())})")
-    row("stage-2 groups", lambda t: t["effective"]["stage2_groups"])
-    row("optimizer / bf16 autocast / grad ckpt", lambda t: f"{t['effective']['optimizer']} / "
-        f"{t['effective']['bf16_autocast']} / {t['effective']['grad_ckpt']}")
-    row("steps: stage 1 per site, stage 2", lambda t: f"{t['config']['stage1_steps']}, {t['config']['stage2_steps']}")
-    row("finite: losses, adapters, UNet errors", lambda t: ", ".join(str(v) for v in t["finite"].values()))
-    row("UNet error init → stage 1 → stage 2", lambda t: " → ".join(_f(t["unet_error"].get(k), "{:.3f}")
+    row("plan on this GPU: quick / full recipe", lambda t: " / ".join(_dur(t["plan"]["eta_s"][k])
+                                                                      for k in ("quick", "full")))
+    row("8 GB check (the plan's)", lambda t: t["fit_8gb"]["text"])
+    row("run: sites, stage-2 groups", lambda t: f"{t['run']['sites']}, {t['run']['stage2_groups']}")
+    row("run: device limit GiB", lambda t: _f(t["run"]["limit_gib"]))
+    for ph in ("setup", "calibration", "capture", "rank curves", "init", "stage1", "stage2"):
+        row(f"{ph}: allocated / reserved / device GiB",
+            lambda t, ph=ph: f"{_f(t['run']['phases_gib'][ph]['allocated'])} / "
+            f"{_f(t['run']['phases_gib'][ph]['reserved'])} / {_f(t['run']['device_derived_gib'][ph])}")
+    row("predicted device GiB: calibration / stage 1 / stage 2",
+        lambda t: f"{_f(t['fit_8gb']['calibration_gib'])} / {_f(t['fit_8gb']['stage1_gib'])} / "
+        f"{_f(t['fit_8gb']['stage2_gib_by_groups'][str(t['run']['stage2_groups'])])}")
+    row("fits 8 GiB (measured)", lambda t: t["run"]["fits_8gb"])
+    row("steps/s stage 1 / stage 2", lambda t: f"{_f(t['run']['steps_per_s'].get('stage1'))} / "
+        f"{_f(t['run']['steps_per_s'].get('stage2'))}")
+    row("s/step plan vs measured: stage 1, stage 2",
+        lambda t: "; ".join(f"{_f(a, '{:.3f}')} vs {_f(b, '{:.3f}')}" for a, b in t["run"]["plan_vs_measured"].values()))
+    row("UNet error init → stage 1 → stage 2", lambda t: " → ".join(_f(t["run"]["unet_error"].get(k), "{:.3f}")
                                                                     for k in ("init", "stage1", "stage2")))
-    row("loss stage 2 first → last", lambda t: f"{_f(t['loss']['stage2_first'], '{:.4f}')} → "
-        f"{_f(t['loss']['stage2_last'], '{:.4f}')}")
-    row("measured peak, torch allocated GiB", lambda t: _f(t["measured"]["peak_allocated_gib"]))
-    row("predicted peak GiB (trainer)", lambda t: _f(t["predicted"]["peak_gib"]))
-    row("prediction error", lambda t: _pct(t["rel_err"]))
-    for seg, stage in (("calibration+init", "calibration"), ("stage1", "stage1"), ("stage2", "stage2")):
-        row(f"{seg}: measured / predicted GiB",
-            lambda t, seg=seg, stage=stage: f"{_f(t['measured']['segments_gib'].get(seg, {}).get('allocated'))} / "
-            f"{_f((t['predicted']['stages_gib'] or {}).get(stage))}")
-    row("device peak GiB (source)", lambda t: f"{_f(t['measured']['device_peak_gib'])} "
-        f"({t['measured']['device_peak_source']})")
-    row("wall time s", lambda t: _f(t["wall_s"], "{:.0f}"))
+    row("adapters finite", lambda t: t["run"]["finite_adapters"])
+    row("run wall s", lambda t: _f(t["run"]["wall_s"], "{:.0f}"))
     return lines + [""]
+
+
+def _dur(s):
+    if not isinstance(s, (int, float)) or s != s:
+        return "n/a"
+    return f"{s:.0f} s" if s < 90 else (f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h")
 
 
 def _speed(r) -> list:
     parts = [(n, _result(r, n)) for n in ("speed_sd15", "speed_sdxl") if n in r["parts"]]
     if not parts:
         return []
-    lines = ["## Speed: UNet forward, fp16, sdpa, interleaved, median", ""]
+    lines = ["## Speed: UNet forward, fp16, sdpa; eager and CUDA-graph replay (medians, interleaved)", ""]
     for name, s in parts:
+        if s.get("notes"):
+            lines.append(f"- {s.get('family')}: " + "; ".join(f"{k}: {v}" for k, v in s["notes"].items()))
         for key, shape in s.get("shapes", {}).items():
-            lines += [f"**{s['family']} {key}** ({s['timer']}, median of {s['repeats']} after {s['warmup']} warm-up; "
-                      f"fp8 output error vs fp16: " + ", ".join(f"{k} {v:.3f}" for k, v in shape["fp8_rel_err"].items())
-                      + ")", "", "| model | median ms | min ms | speed-up | weights GiB |", "|---|---|---|---|---|"]
+            if "skipped" in shape:
+                lines += [f"**{s['family']} {key}**: skipped ({shape['skipped']})", ""]
+                continue
+            lines += [f"**{s['family']} {key}** ({s['timer']}; eager {s['eager_repeats']} rounds, graph "
+                      f"{s['graph_replays']} replays)", "",
+                      "| model | eager ms | ×eager | graph ms | ×graph | FLOPs × | ideal × | of ideal | weights GiB |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for m, v in shape["models"].items():
-                lines.append(f"| {m} | {v['median_ms']:.2f} | {v['min_ms']:.2f} | ×{v['speedup']:.2f} | "
-                             f"{v['weight_gib']:.3f} |")
+                lines.append(f"| {m} | {v['eager_ms']:.2f} | ×{v['eager_speedup']:.2f} | {v['graph_ms']:.2f} | "
+                             f"×{v['graph_speedup']:.2f} | {v['flops_ratio']:.3f} | ×{v['ideal_speedup']:.2f} | "
+                             f"{v['of_ideal']:.0%} | {s['weight_gib'][m]:.3f} |")
             lines.append("")
-    f = _result(r, "fold")
-    if f.get("command_s") is not None:
-        lines.append(f"**Fold** (`sdslim slim --device {f['device']}`, random SD1.5 checkpoint "
-                     f"{f['ckpt_gib']:.2f} GiB, {f['sites']} sites at ratio 0.5, {f['lora_tensors_merged']} LoCon "
-                     f"tensors merged): {f['command_s']:.1f} s inside the command, {f['process_wall_s']:.1f} s with "
-                     f"process start; slim file {f['slim_file_gib']:.2f} GiB.")
+        if s.get("fp8_rel_err"):
+            lines += ["fp8 output error vs fp16: " + ", ".join(f"{k} {v:.3f}" for k, v in s["fp8_rel_err"].items()), ""]
+    p = _result(r, "profile")
+    if p.get("models"):
+        kinds = ("GEMM/conv", "attention", "norm", "elementwise")
+        lines += [f"**Where the time goes** (torch.profiler, SD1.5 {p['shape']}, {p['time']}, ms per forward; "
+                  "site = inside a slimmed site's module)", "",
+                  "| model | " + " | ".join(f"site {k}" for k in kinds) + " | " + " | ".join(f"other {k}" for k in kinds)
+                  + " | total | × | ideal × |", "|---|" + "---|" * (2 * len(kinds) + 3)]
+        for m, v in p["models"].items():
+            cells = [_f(v["ms"]["site"].get(k, 0.0), "{:.2f}") for k in kinds] + \
+                    [_f(v["ms"]["other"].get(k, 0.0), "{:.2f}") for k in kinds]
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {v['total_ms']:.2f} | ×{v['speedup']:.2f} | "
+                         f"×{v['ideal_speedup']:.2f} |")
         lines.append("")
     c = _result(r, "speed_compile")
     if c.get("models"):
@@ -207,6 +300,45 @@ def _speed(r) -> list:
                   "| model | median ms | vs compiled original |", "|---|---|---|"]
         lines += [f"| {k} | {v['median_ms']:.2f} | ×{v['speedup_vs_compiled_original']:.2f} |"
                   for k, v in c["models"].items()]
+        lines.append("")
+    return lines
+
+
+def _sampling(r) -> list:
+    s = _result(r, "sampling_vram")
+    if not s.get("families"):
+        return []
+    est = {c["name"]: c for c in _result(r, "vram_estimate").get("curves", [])}
+    context, source = context_gib(r)
+    lines = ["## Sampling VRAM (device peak as NVML shows it)", "",
+             f"Includes: {s['includes']}. Predicted = the estimator's reserve (its GGUF rows kept quantised, as "
+             f"ComfyUI-GGUF runs them) + context {context:.2f} GiB ({source}).", ""]
+    lo = s.get("loader") or {}
+    if lo.get("error"):
+        lines += [f"sdslim's own GGUF loader: not checked ({lo['error']})", ""]
+    elif lo:
+        lines += [f"sdslim's own GGUF loader (`load_gguf_unet`, a Q8_0 file read back): parameters "
+                  f"{', '.join(lo['param_dtypes'])}, {lo['held_bytes']:,} B held for {lo['file_bytes']:,} B on disk "
+                  f"({'kept quantised' if lo['kept_quantised'] else 'dequantised at load: it holds the fp16 row'}'s "
+                  "bytes)", ""]
+    for fam, f in s["families"].items():
+        vae = f.get("vae_decode", {})
+        lines += [f"**{fam} {f['px']} px** (VAE decode alone: {_f(vae.get('reserved_gib'))} GiB reserved; text "
+                  f"encoders' fp16 weights {f['text_encoders_fp16_gib']:.2f} GiB, not included)", "",
+                  "| UNet | weights GiB | allocated | reserved | device (NVML) | derived | predicted | err | "
+                  "with VAE decode | fits 8 GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, row in f["rows"].items():
+            if "skipped" in row:
+                lines.append(f"| {name} | skipped: {row['skipped']} |||||||||")
+                continue
+            e = est.get(f"sampling {fam} {name}")
+            pred = e["points"][0]["reserved_gib"] + context if e else None
+            dev = row.get("nvml_end_gib")
+            with_vae = row.get("with_vae_decode_derived_gib")
+            fits = "n/a" if with_vae is None else ("yes" if with_vae <= 8 else "no")
+            lines.append(f"| {name} | {row['weight_bytes'] / GIB:.2f} | {_f(row.get('allocated_gib'))} | "
+                         f"{_f(row.get('reserved_gib'))} | {_f(dev)} | {_f(row.get('device_derived_gib'))} | "
+                         f"{_f(pred)} | {_pct(_err(pred, dev))} | {_f(with_vae)} | {fits} |")
         lines.append("")
     return lines
 
@@ -226,7 +358,7 @@ def _problems(r) -> list:
 
 def markdown(results: dict) -> str:
     out = []
-    for section in (_header, _environment, _vram, _trainer, _speed, _problems):
+    for section in (_header, _environment, _trainer, _speed, _sampling, _vram, _problems):
         try:
             out += section(results)
         except Exception as err:  # a report must never hide the results that made it

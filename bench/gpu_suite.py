@@ -43,8 +43,8 @@ import gpu_report  # noqa: E402  (torch-free)
 from gpu_report import finite, write_json  # noqa: E402
 
 DEPS = ROOT / ".gpu_deps"  # packages carried to the device machine (bench/gpu_suite_deps.sh)
-BUDGET_S = 480           # total wall-clock guard on the GPU (the issue's 8 minutes)
-DRY_BUDGET_S = 300       # the dry run's guard (it takes about a minute on 2 idle cores)
+BUDGET_S = 390           # total wall-clock guard on the GPU (a device call of 8 min with start-up)
+DRY_BUDGET_S = 900       # the dry run's hang guard (it takes a few minutes on 2 busy cores)
 MIN_CAP_S = 5            # a part that would get less than this is skipped
 KILL_GRACE_S = 10        # a part's own timeouts end it cleanly before the orchestrator kills it
 
@@ -63,26 +63,45 @@ class Part:
 
 
 PLAN = (
-    Part("environment", "environment", "GPU, driver, torch/CUDA, cuDNN, bitsandbytes/xformers", 60, 15),
-    Part("vram_study", "vram", "measured training peaks: SD1.5 768 px small matrix B=1,2,4 + SDXL 1024 px B=1",
-         150, 70),
-    Part("vram_estimate", "vram", "`sdslim vram estimate` for the same points (CPU, in the background)", 240, 0,
-         dry_cap_s=150, background=True),
-    Part("trainer_sd15", "trainer", "train_adapters on CUDA, full-size SD1.5 random teacher, ratio 0.5", 130, 60),
-    Part("trainer_sdxl", "trainer", "train_adapters on CUDA, full-size SDXL random teacher, 3 site groups", 160, 60),
-    Part("speed_sd15", "speed", "UNet forward fp16 SD1.5 512² B=1,4: original, slim 0.75/0.5/0.25, fp8 storage", 75,
-         40, quiet=True),
-    Part("speed_sdxl", "speed", "UNet forward fp16 SDXL 1024² B=1: original, slim 0.75/0.5/0.25, fp8 storage", 75,
-         40, quiet=True),
-    Part("fold", "speed", "`sdslim slim --device cuda` on a random full-size SD1.5 checkpoint + LoCon", 90, 45,
-         quiet=True),
-    Part("speed_compile", "speed", "torch.compile: SD1.5 512² B=1 original vs slim 0.5", 240, 0, dry_cap_s=300,
-         quiet=True, optional=True),
+    Part("environment", "environment", "GPU, driver, torch/CUDA, packages; the CUDA context (NVML beyond torch's "
+         "reserve after a tiny training + sampling step): the device-peak model's measured input", 40, 35),
+    Part("vram_estimate", "vram", "`sdslim vram estimate` for every seed_study point and sampling row (CPU, 6 "
+         "worker processes with no GPU visible, beside the GPU parts)", 380, 0, dry_cap_s=240, background=True),
+    Part("seed_study", "vram", "the seed's training-VRAM matrix measured (SD1.5 768 px B=1…16 and a few points per "
+         "setting, SDXL points): allocated, reserved, NVML", 70, 55),
+    Part("trainer_sd15", "trainer", "SD1.5: the plan (quick/full ETA on this GPU) + its 8 GB check; train_adapters "
+         "on CUDA, random full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit",
+         110, 100),
+    Part("speed_sd15", "speed", "UNet fp16 SD1.5 512² B=1,4,8, eager + CUDA-graph replay, FLOPs: original, slim "
+         "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, fp8 storage, channels_last (B=1)", 60, 50),
+    Part("speed_sdxl", "speed", "the same, SDXL 1024² B=1", 35, 30),
+    Part("profile", "speed", "torch.profiler SD1.5 512² B=1: device time by op kind, inside/outside the slimmed "
+         "sites, original vs slim 0.5/0.25 and candidates", 20, 17),
+    Part("sampling_vram", "vram", "sampling VRAM SD1.5 512² / SDXL 1024²: original, slim 0.5, fp8, GGUF Q8_0/Q4_0 "
+         "kept quantised; UNet at CFG batch 2 + VAE decode", 30, 20),
+    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5, the 8 GB check's stage-2 groups)",
+         110, 80),
+    Part("speed_compile", "speed", "torch.compile(mode='reduce-overhead'): SD1.5 512² B=1 original vs slim 0.5",
+         240, 0, dry_cap_s=300, optional=True),
 )
+
 PARTS = {p.name: p for p in PLAN}
 
 
-def select(names: str | None, compile_: bool) -> list[Part]:
+def previous_results(path: Path) -> dict | None:
+    """An earlier run's results: ``path`` itself (a results.json) or the results.json in that folder."""
+    f = Path(path) if Path(path).is_file() else Path(path) / "results.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def select(names: str | None, compile_: bool, previous: Path | None = None) -> list[Part]:
+    """The parts to run: all (``--compile`` adds the optional one), a comma-separated list, or ``failed``: the parts
+    of the ``previous`` results.json that did not end ok (the other parts' results are kept)."""
+    if names == "failed":
+        prev = previous_results(previous) if previous is not None else None
+        if prev is None:
+            raise SystemExit(f"gpu_suite: --parts failed needs an earlier results.json ({previous} has none)")
+        return [p for p in PLAN if p.name in prev["parts"] and prev["parts"][p.name]["status"] != "ok"]
     if names:
         wanted = [n.strip() for n in names.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in PARTS]
@@ -237,6 +256,12 @@ class Suite:
         self.deadline = self.t0 + self.budget
         self.records = {p.name: {"status": "pending", "section": p.section, "what": p.what} for p in selection}
         self.paths = [] if self.dry else carried_deps(self.work)   # the dry run uses this machine's packages
+        self.kept = {}                 # --parts failed: the earlier run's parts that ended ok, kept as they were
+        if args.parts == "failed":
+            prev = previous_results(Path(args.previous or self.out))
+            self.kept = {n: r for n, r in prev["parts"].items() if r["status"] == "ok"}
+            for name, rec in self.kept.items():      # later parts read earlier ones' results (the context, ranks)
+                write_json(self.work / "parts" / f"{name}.json", rec)
         self.results = {
             "suite": "sdslim GPU suite", "mode": "dry-run" if self.dry else "gpu",
             "command": "python bench/gpu_suite.py " + " ".join(args.argv),
@@ -255,6 +280,13 @@ class Suite:
 
     def save(self):
         self.results["wall_s"] = time.time() - self.t0
+        if self.kept:
+            order = [p.name for p in PLAN]
+            merged = {**self.kept, **self.records}
+            self.results["parts"] = {n: merged[n] for n in sorted(merged, key=order.index)}
+            self.results["plan"] = [{"name": n, "section": PARTS[n].section, "what": PARTS[n].what,
+                                     "cap_s": cap_of(PARTS[n], self.dry), "background": PARTS[n].background}
+                                    for n in self.results["parts"]]
         write_json(self.out / "results.json", self.results)
         (self.out / "results.md").write_text(gpu_report.markdown(finite(self.results)))
 
@@ -409,7 +441,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/gpu_suite", help="folder for results.json, results.md, suite.log")
     ap.add_argument("--dry-run", action="store_true", help="the same code on the CPU with tiny UNets (~1 min)")
     ap.add_argument("--compile", action="store_true", help="add the torch.compile latency part")
-    ap.add_argument("--parts", default=None, help=f"comma-separated subset of: {', '.join(PARTS)}")
+    ap.add_argument("--parts", default=None, help=f"comma-separated subset of: {', '.join(PARTS)}; or 'failed': "
+                    "rerun the parts of --out's results.json that did not end ok, keeping the others' results")
+    ap.add_argument("--previous", default=None, help="with --parts failed: the earlier results.json (default: --out's)")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"total seconds (default {BUDGET_S}; dry run {DRY_BUDGET_S})")
     ap.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
@@ -420,7 +454,11 @@ def main(argv=None) -> int:
     args.argv = argv
     if args.runner:
         return runner(args)
-    return Suite(args, select(args.parts, args.compile)).run()
+    selection = select(args.parts, args.compile, Path(args.previous or args.out))
+    if not selection:
+        print(f"gpu_suite: every part of {args.out}/results.json ended ok; nothing to rerun")
+        return 0
+    return Suite(args, selection).run()
 
 
 if __name__ == "__main__":

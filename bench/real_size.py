@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/real_size.py [--families sd15,sdxl] [--teachers tiny,wide] [--out out/real_size]
         [--cache DIR] [--threads 2] [--plan-only] [--no-default-plan] [--short-latent N]
+        [--teacher-settings demo,reduced]
 
 Real shapes (``--families``): a random-weight full-size checkpoint (tools/random_checkpoint.py: the real UNet and
 text encoders) on the CPU. (1) Two prompts through the checkpoint's own text encoders. (2) The cost plan of the
@@ -13,8 +14,11 @@ cost is in the plan): seconds per unit
 (trajectory of the default 20 steps, captured input, rank-curve site, stage-1 step, stage-2 step), RAM peak and
 work-folder bytes, next to what the plan predicted for that short run. (4) ``sdslim slim`` with those adapters and
 ``sdslim eval --prompt`` (1 seed, 2 steps): the whole path prompts → adapters → slim model → comparison.
-Tiny/wide teachers (``--teachers``): the demo's budget at ratio 0.5, the printed ETAs (before the run, and after the
-rank allocation) against the measured run. ``--plan-only``: (1) and (2) only, for each family.
+Tiny/wide teachers (``--teachers``), at each of ``--teacher-settings``: ``demo``, the demo's budget at ratio 0.5
+(16 prompts), and ``reduced``, the suite's short run (two prompts, uniform 0.5, 8 trajectories of 8 steps, 40 steps
+per stage: tests/test_real_path.py checks its work folder, this measures its ETA): the printed ETAs (before the
+run, and after the rank allocation where ranks are allocated) and the planned work folder against the measured
+run. ``--plan-only``: (1) and (2) only, for each family.
 """
 from __future__ import annotations
 
@@ -146,26 +150,35 @@ def real_shapes(family: str, cache: Path, out: Path, row: dict, save, plan_only:
     save()
 
 
-def teacher_eta(name: str, out: Path) -> dict:
+REDUCED = dict(uniform=True, stage1_steps=40, stage2_steps=40, n_trajectories=8, sample_steps=8)
+REDUCED_PROMPTS = ["a red circle on a blue background", "a green square"]
+
+
+def teacher_eta(name: str, out: Path, settings: str = "demo") -> dict:
     pipe = tiny.load_tiny_pipeline(tiny.TEACHERS[name].model)
-    prompts = [tiny_data.make_batch(1, i, 1).captions[0] for i in range(16)]
+    prompts = ([tiny_data.make_batch(1, i, 1).captions[0] for i in range(16)] if settings == "demo"
+               else REDUCED_PROMPTS)
     calib = Calibration.from_prompts(prompts, pipe.encode_prompt, schedule=pipe.schedule)
+    adapters = out / f"{name}_{settings}.safetensors"
     t0 = time.perf_counter()
-    r = train_adapters(pipe.unet, pipe.checkpoint.config, calib, out_path=out / f"{name}_demo.safetensors", ratio=0.5,
-                       latent_size=pipe.latent_size, plan=True, **FULL)
+    r = train_adapters(pipe.unet, pipe.checkpoint.config, calib, out_path=adapters, ratio=0.5,
+                       latent_size=pipe.latent_size, plan=True, **(FULL if settings == "demo" else REDUCED))
     wall = time.perf_counter() - t0
     plan = r.report.plan
-    return {"teacher": name, "measured_s": r.report.timing["total_s"], "wall_s": wall, "eta_s": plan["eta_s"],
-            "eta_after_ranks_s": plan["after_ranks"]["eta_s"], "ratio": plan["eta_s"] / r.report.timing["total_s"],
-            "ratio_after_ranks": plan["after_ranks"]["eta_s"] / r.report.timing["total_s"],
-            "timing": r.report.timing,
-            "phases": {p["name"]: p["seconds"] for p in plan["after_ranks"]["phases"]}}
+    after = plan.get("after_ranks", plan)           # a uniform run allocates nothing: its first plan stands
+    measured = r.report.timing["total_s"]
+    return {"teacher": name, "settings": settings, "measured_s": measured, "wall_s": wall, "eta_s": plan["eta_s"],
+            "eta_after_ranks_s": after["eta_s"], "ratio": plan["eta_s"] / measured,
+            "ratio_after_ranks": after["eta_s"] / measured, "timing": r.report.timing,
+            "work_bytes": _folder_bytes(Path(r.report.work_dir)), "planned_work_bytes": plan["work_bytes"],
+            "phases": {p["name"]: p["seconds"] for p in after["phases"]}}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="sd15,sdxl")
     p.add_argument("--teachers", default="tiny,wide")
+    p.add_argument("--teacher-settings", default="demo", help="demo and/or reduced (comma-separated)")
     p.add_argument("--out", default="out/real_size")
     p.add_argument("--cache", default=None, help="folder for the random checkpoints (default: --out)")
     p.add_argument("--threads", type=int, default=2)
@@ -188,9 +201,12 @@ def main(argv=None):
         results["families"].append(row)
         real_shapes(fam, cache, out, row, lambda: (out / "real_size.json").write_text(json.dumps(results, indent=1)),
                     args.plan_only, not args.no_default_plan, args.short_latent)
-    for name in [t for t in args.teachers.split(",") if t]:
-        results["teachers"].append(teacher_eta(name, out))
-        (out / "real_size.json").write_text(json.dumps(results, indent=1))
+    for settings in [s for s in args.teacher_settings.split(",") if s]:
+        if settings not in ("demo", "reduced"):
+            raise SystemExit(f"unknown --teacher-settings {settings}")
+        for name in [t for t in args.teachers.split(",") if t]:
+            results["teachers"].append(teacher_eta(name, out, settings))
+            (out / "real_size.json").write_text(json.dumps(results, indent=1))
     for row in results["families"]:
         plan = row.get("default_plan")
         if plan is None:
@@ -214,8 +230,10 @@ def main(argv=None):
         print(f"  slim {e['slim_s']:.0f} s, eval --prompt {e['eval_s']:.0f} s: eps error {e['eps_rel_error']:.4f}, "
               f"params {e['params']['teacher'] / 1e6:.0f}M -> {e['params']['slim'] / 1e6:.0f}M")
     for t in results["teachers"]:
-        print(f"{t['teacher']}: measured {t['measured_s']:.0f} s; ETA before the run {t['eta_s']:.0f} s "
-              f"(×{t['ratio']:.2f}), after the rank allocation {t['eta_after_ranks_s']:.0f} s (×{t['ratio_after_ranks']:.2f})")
+        print(f"{t['teacher']} ({t['settings']}): measured {t['measured_s']:.0f} s; ETA before the run "
+              f"{t['eta_s']:.0f} s (×{t['ratio']:.2f}), after the rank allocation {t['eta_after_ranks_s']:.0f} s "
+              f"(×{t['ratio_after_ranks']:.2f}); work folder {t['work_bytes'] / 2 ** 20:.1f} MiB, planned "
+              f"{t['planned_work_bytes'] / 2 ** 20:.1f} MiB (×{t['planned_work_bytes'] / t['work_bytes']:.2f})")
 
 
 if __name__ == "__main__":

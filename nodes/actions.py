@@ -99,11 +99,12 @@ def vram_report(model=None, model_b=None, trigger=None, width=1024, height=1024,
 
 
 def train(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-          latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False) -> Result:
+          latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False,
+          adapter_dtype=None) -> Result:
     from . import training
     text = training.run(model, filename=filename, ratio=ratio, steps=steps, seed=seed, positive=positive,
                         negative=negative, clip=clip, prompts=prompts, budget=budget, latent_size=latent_size,
-                        recipe=recipe, start_from=start_from, overwrite=overwrite)
+                        recipe=recipe, start_from=start_from, overwrite=overwrite, adapter_dtype=adapter_dtype)
     return Result((text,), text)
 
 

@@ -163,6 +163,11 @@ SAVE_GGUF = NodeSpec(
     (),
     "save_slim_gguf", output_node=True)
 
+def _adapter_dtypes() -> list:
+    from sdslim_core.io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
+    return [DEFAULT_FILE_DTYPE] + [name for name in FILE_DTYPES if name != DEFAULT_FILE_DTYPE]
+
+
 TRAIN = NodeSpec(
     "SdslimTrainAdapters", "Train Slim Adapters (sdslim)",
     "Distils slim adapters for this MODEL and saves them to models/sdslim (resumable: run again to continue).",
@@ -190,7 +195,10 @@ TRAIN = NodeSpec(
                 "sites and ranks, refit on this MODEL with a short stage 2 ('steps')"),
      In("overwrite", "BOOLEAN", False, optional=True,
         tooltip="replace an adapter file of that name that training finished before (a cancelled run resumes "
-                "either way)")),
+                "either way)"),
+     In("adapter_dtype", "COMBO", options=_adapter_dtypes, optional=True,
+        tooltip="storage dtype of the adapter file: fp16 (half the bytes of fp32, the same slim model to a cosine "
+                "of 1.0000000), bf16, or fp32; training itself runs in fp32")),
     (Out("STRING", "report"),),
     "train", output_node=True)
 

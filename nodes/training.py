@@ -56,11 +56,12 @@ def native_latent_size(model) -> int | None:
 
 
 def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="", budget="",
-        latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False) -> str:
+        latent_size=0, negative=None, recipe="full", start_from=None, overwrite=False, adapter_dtype=None) -> str:
     """Train (or resume) adapters into ``models/sdslim/<filename>`` and return the trainer's text report.
 
     ``recipe``: full, quick or data-free (``sdslim_core.train.recipes``); ``start_from``: an adapter file of
-    models/sdslim made for the model this one derives from (refit). Calibration runs at ``latent_size`` (0: the
+    models/sdslim made for the model this one derives from (refit); ``adapter_dtype``: the file's storage dtype
+    (fp16, bf16, fp32; None: the default). Calibration runs at ``latent_size`` (0: the
     model's native size). The work folder (calibration data, checkpoints) lives in ``sdslim_work/`` beside
     ``models/sdslim`` and is removed once the file is written; an interrupted run keeps it and resumes from it."""
     try:
@@ -72,12 +73,13 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     refuse_existing(out, overwrite)                 # before any work, and again when the file is written
     recipe = recipe or "full"
     start = paths.resolve(folder_paths, start_from) if start_from and start_from != specs.NO_START else None
+    stored = {"adapter_dtype": adapter_dtype} if adapter_dtype else {}
     if recipe == "data-free":
         if start is not None or (budget and budget.strip()):
             raise ValueError("sdslim: the data-free recipe takes only 'ratio' (no budget, no start_from): it "
                              "measures nothing")
         weights, cfg = teacher(model)
-        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio), out, overwrite=overwrite)
+        aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=ratio, **stored), out, overwrite=overwrite)
         return recipes.data_free_text(aset, out, seconds)
     calib, notes = comfyui_conditioning.calibration(*calibration_conditioning(positive, negative, clip, prompts))
     bar = comfy.utils.ProgressBar(1)
@@ -90,6 +92,7 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     weights, cfg = teacher(model)
     options: dict = {"budget": budget.strip()} if budget and budget.strip() else {"ratio": ratio}
     options.update(recipes.host_overrides(recipe, steps, start))
+    options.update(stored)
     size = int(latent_size or 0) or native_latent_size(model)
     if size:
         options["latent_size"] = size

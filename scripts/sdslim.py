@@ -25,6 +25,7 @@ from modules import (call_queue, devices, errors, extra_networks, lowvram, paths
 from sdslim_core.hosts.a1111 import lora as a1111_lora
 from sdslim_core.hosts.a1111 import params
 from sdslim_core.hosts.a1111 import training as a1111_training
+from sdslim_core.io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
 from sdslim_core.modules.live_slim import LiveSlim
 from sdslim_core.train import recipes, train_adapters
 from sdslim_core.vram import live as vram_live
@@ -367,12 +368,12 @@ def _webui_calibration(sd_model, form, cfg, pixels):
 
 
 def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe="full",
-          start_from=a1111_training.NO_START):
+          start_from=a1111_training.NO_START, adapter_dtype=None):
     """The Train button, under the webui's GPU call: adapters for the loaded checkpoint into models/sdslim (resumed
     from its work folder after an Interrupt), distilled from the UNet without LoRAs (data-free: from its weights)."""
     try:
         form = a1111_training.parse_form(prompts, negative, ratio, budget, steps, size, seed, filename, recipe,
-                                         start_from)
+                                         start_from, adapter_dtype)
     except ValueError as err:                       # a refusal, like those below: in words in the Report box
         return _train_outputs(str(err))
     sd_model = shared.sd_model
@@ -413,7 +414,8 @@ def train(id_task, prompts, negative, ratio, budget, steps, size, seed, filename
 def _data_free(weights, cfg, form, out) -> str:
     """The data-free recipe: the adapter file from the UNet's weights alone (seconds)."""
     from sdslim_core.train import TrainConfig
-    aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=form.ratio), out)
+    aset, seconds = recipes.data_free(weights, cfg, TrainConfig(ratio=form.ratio, adapter_dtype=form.adapter_dtype),
+                                      out)
     refresh_adapters()
     _log(f"adapters written to {out}")
     return recipes.data_free_text(aset, out, seconds)
@@ -475,6 +477,10 @@ def _train_tab():
                                              value=a1111_training.NO_START, elem_id="sdslim_train_start_from",
                                              label="Start from adapters (made for the model this one derives "
                                                    "from: refit, short stage 2)")
+                    adapter_dtype = gr.Dropdown(choices=list(FILE_DTYPES), value=DEFAULT_FILE_DTYPE,
+                                                elem_id="sdslim_train_adapter_dtype",
+                                                label="Adapter file dtype (fp16: half of fp32's bytes, the same "
+                                                      "slim model to a cosine of 1.0000000)")
                 with gr.Row():
                     interrupt = gr.Button(value="Interrupt", elem_id="sdslim_train_interrupt")
                     start = gr.Button(value="Train", variant="primary", elem_id="sdslim_train_start")
@@ -484,7 +490,8 @@ def _train_tab():
                 result = gr.HTML(value="", elem_id="sdslim_train_result")
         gpu_train = call_queue.wrap_gradio_gpu_call(train, extra_outputs=[gr.update()] * (2 + len(_State.dropdowns)))
         start.click(fn=_train_click(gpu_train), _js="sdslim_start_training",
-                    inputs=[task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe, start_from],
+                    inputs=[task, prompts, negative, ratio, budget, steps, size, seed, filename, recipe, start_from,
+                            adapter_dtype],
                     outputs=[report, *_State.dropdowns, start_from, result])
         interrupt.click(fn=_interrupt, inputs=[], outputs=[])
     return [(tab, "SD Slim", "sdslim_train")]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = torch.device("lazy")
@@ -55,11 +54,28 @@ def _on(device) -> bool | None:
 
 
 def _unwrap(x):
-    return x.inner if isinstance(x, Placed) else x
+    if isinstance(x, Placed):
+        return x.inner
+    if isinstance(x, (list, tuple)) and any(isinstance(t, Placed) for t in x):
+        return type(x)(_unwrap(t) for t in x)
+    return x
 
 
 def _wrap(x):
-    return Placed(x) if isinstance(x, torch.Tensor) and not isinstance(x, Placed) else x
+    if isinstance(x, torch.Tensor):
+        return x if isinstance(x, Placed) else Placed(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap(t) for t in x)
+    return x
+
+
+def _tensors(args, kwargs):
+    """The tensors among an operator's arguments (lists of tensors included, as cat and index take them)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
 class _Emulation(TorchDispatchMode):
@@ -73,7 +89,7 @@ class _Emulation(TorchDispatchMode):
         if func is _aten.copy_.default:
             _unwrap(args[0]).copy_(_unwrap(args[1]), *args[2:])
             return args[0]
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = list(_tensors(args, kwargs))
         placed = any(isinstance(t, Placed) for t in tensors)
         if placed:
             self._check(func, args, tensors)
@@ -83,8 +99,11 @@ class _Emulation(TorchDispatchMode):
             if gen is not None and gen.device.type == "cpu":
                 raise RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found 'cpu' ({func})")
             kwargs["device"] = torch.device("cpu")
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        return tree_map(_wrap, out) if (placed if to is None else to) else out
+        if placed:
+            args = tuple(_unwrap(a) for a in args)
+            kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        return _wrap(out) if (placed if to is None else to) else out
 
     @staticmethod
     def _check(func, args, tensors):
@@ -106,6 +125,22 @@ class _DeviceModule:
     @staticmethod
     def device(index):
         return contextlib.nullcontext()
+
+
+def accelerators() -> list:
+    """The devices placement tests run on: the emulated one always, ``cuda`` too where a GPU is present (the same
+    tests then run on the real thing: ``pytest -k cuda`` in the GPU suite)."""
+    return ["emulated"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@contextlib.contextmanager
+def on(accelerator: str):
+    """Yield the device named by :func:`accelerators` (the emulation is active inside for ``emulated``)."""
+    if accelerator == "cuda":
+        yield torch.device("cuda", torch.cuda.current_device())      # as tensors report it: cuda:0
+        return
+    with emulated_device() as dev:
+        yield dev
 
 
 @contextlib.contextmanager

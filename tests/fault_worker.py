@@ -6,10 +6,10 @@ optionally
 
 - ``fsize``: a file-size limit in bytes (RLIMIT_FSIZE, SIGXFSZ ignored): a write past it fails with EFBIG, as a
   write on a full disk fails with ENOSPC;
-- ``slow``: seconds to wait after every 64 KiB written to a temporary file (``*.tmp``) whose name contains
-  ``slow_match``, so that the test can see the file grow and SIGKILL the child in the middle of the write. Python
-  writes go through ``open``; safetensors' own writer is replaced by its ``save`` (the same bytes) written the
-  same slow way.
+- ``hold``: a temporary file (``*.tmp``) whose name contains ``hold_match`` stops after its first 64 KiB and waits
+  there, ``hold`` seconds at most (a hang guard), so that the test sees the file grow and SIGKILLs the child in
+  the middle of the write however slow the machine is. Python writes go through ``open``; safetensors' own writer
+  is replaced by its ``save`` (the same bytes) written the same held way.
 
 Protocol: one JSON job per stdin line, ``{"argv": [...]}`` or ``{"ui_slim": {...run_slim arguments}}`` plus the
 options above; for each, one line ``{"pid": N}`` once the child runs and one ``{"pid": N, "status": S}`` when
@@ -28,23 +28,27 @@ import traceback
 CHUNK = 64 << 10
 
 
-def _slow_writes(delay: float, match: str) -> None:
+def _held_writes(seconds: float, match: str) -> None:
     real_open = builtins.open
 
-    def slowed(name) -> bool:
+    def held(name) -> bool:
         base = os.path.basename(str(name))
         return base.endswith(".tmp") and match in base
 
-    class SlowFile:
+    class HeldFile:
         def __init__(self, fh):
-            self._fh = fh
+            self._fh, self._waited = fh, False
 
         def write(self, data):
             view = memoryview(data).cast("B")
-            for i in range(0, len(view), CHUNK):
-                self._fh.write(view[i:i + CHUNK])
+            if not self._waited:
+                self._fh.write(view[:CHUNK])
                 self._fh.flush()
-                time.sleep(delay)
+                self._waited = True
+                time.sleep(seconds)             # the test kills the child here
+                self._fh.write(view[CHUNK:])
+            else:
+                self._fh.write(view)
             return len(view)
 
         def __getattr__(self, name):
@@ -56,21 +60,21 @@ def _slow_writes(delay: float, match: str) -> None:
         def __exit__(self, *exc):
             return self._fh.__exit__(*exc)
 
-    def slow_open(file, mode="r", *args, **kwargs):
+    def held_open(file, mode="r", *args, **kwargs):
         fh = real_open(file, mode, *args, **kwargs)
-        return SlowFile(fh) if "w" in mode and slowed(file) else fh
+        return HeldFile(fh) if "w" in mode and held(file) else fh
 
     import safetensors.torch
     real_save_file = safetensors.torch.save_file
 
-    def slow_save_file(tensors, filename, metadata=None):
-        if not slowed(filename):
+    def held_save_file(tensors, filename, metadata=None):
+        if not held(filename):
             return real_save_file(tensors, filename, metadata=metadata)
-        with slow_open(filename, "wb") as fh:
+        with held_open(filename, "wb") as fh:
             fh.write(safetensors.torch.save(tensors, metadata=metadata))
 
-    builtins.open = slow_open
-    safetensors.torch.save_file = slow_save_file
+    builtins.open = held_open
+    safetensors.torch.save_file = held_save_file
 
 
 def _ui_slim(kw: dict) -> int:
@@ -94,8 +98,8 @@ def _child(job: dict) -> int:
     if job.get("fsize"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (job["fsize"], job["fsize"]))
-    if job.get("slow"):
-        _slow_writes(job["slow"], job.get("slow_match", ""))
+    if job.get("hold"):
+        _held_writes(job["hold"], job.get("hold_match", ""))
     try:
         if "ui_slim" in job:
             return _ui_slim(dict(job["ui_slim"]))

@@ -1,14 +1,15 @@
 """scripts/sdslim.py in the stand-in webui: fold after the LoRA merge, restore, cache, errors, ControlNet-style
 residuals, infotext round trip, VRAM report. References are independent: a manual float64 LoRA merge with
 ``swap.attach_train_adapters`` (the train-time form), never the code under test."""
+import copy
 import os
 import re
 
 import pytest
 import torch
 
-from a1111_standin.harness import (FakeSdModel, Session, checkpoint, first_noise, lora_for, merged_reference,
-                                   tiny_unet, train_time_output, write_adapters)
+from a1111_standin.harness import (FakeSdModel, Session, checkpoint, context, first_noise, lora_for,
+                                   merged_reference, tiny_unet, train_time_output, write_adapters)
 from a1111_standin.harness import one_thread, webui  # noqa: F401 (fixtures)
 from sdslim_core.io import adapters
 from sdslim_core.modules import swap
@@ -656,3 +657,33 @@ def test_the_checkpoints_distance_from_the_adapters_base_is_logged_and_warned(se
             assert re.search(r"this checkpoint is \d+\.\d% from the adapters' base", err)
         else:
             assert not warning and "this checkpoint is 0.0% from the adapters' base" in err
+
+
+@pytest.mark.parametrize("acc", __import__("emulated_device").accelerators())
+def test_on_a_gpu_the_toggle_folds_and_applies_the_lora_where_the_model_is(webui, acc, monkeypatch):
+    """The webui on CUDA: its UNet, noise and conditioning on ``devices.device``, the adapter file and the LoRA read
+    on the CPU. On the emulated device (tests/emulated_device.py) the toggle folds there and the generation with a
+    LoRA gives the train-time reference computed on the CPU; disabling gives back the same parameter objects."""
+    from emulated_device import on
+    from modules import devices
+    unet = tiny_unet()
+    adapter_file = write_adapters(webui.adapters, unet)
+    lora = lora_for(unet, LORA_LAYERS)
+    cpu = copy.deepcopy(unet)
+    want = train_time_output(cpu, adapter_file, 1.0, first_noise(11), context(), lora, 0.8)
+    with on(acc) as dev:
+        monkeypatch.setattr(devices, "device", dev)
+        s = Session(unet.to(dev))
+        s.module.refresh_adapters()
+        import networks
+        networks.available_networks["a"] = lora
+        s.settings(enable=True, adapters="tiny.safetensors", strength=1.0)
+        snap = s.snapshot()
+        p, _ = s.generate("cat <lora:a:0.8>")
+        assert not p.standin_script_errors and s.live.installed
+        assert all(t.device == dev for path in s.live.replaced for t in s.unet.get_submodule(path).parameters())
+        got = p.standin_outputs[0].cpu()
+        s.settings(enable=False)
+        s.generate("cat")
+        s.assert_same_as(snap)
+    assert (got - want).abs().max() < (1e-10 if acc == "emulated" else 1e-5), (got - want).abs().max()

@@ -63,9 +63,9 @@ def _train(s, filename="trained", prompts=PROMPTS, task="task(t1)", **kw):
     fn, inputs, outputs = _buttons()["sdslim_train_start"]
     assert outputs[1:-2] == s.module._State.dropdowns           # the accordions' adapter dropdowns
     assert outputs[-2].kwargs["elem_id"] == "sdslim_train_start_from"
-    values = {**FORM, "recipe": "full", "start_from": a1111_training.NO_START, **kw}
+    values = {**FORM, "recipe": "full", "start_from": a1111_training.NO_START, "adapter_dtype": "fp16", **kw}
     args = [task, prompts, values["negative"], values["ratio"], values["budget"], values["steps"], values["size"],
-            values["seed"], filename, values["recipe"], values["start_from"]]
+            values["seed"], filename, values["recipe"], values["start_from"], values["adapter_dtype"]]
     assert len(args) == len(inputs)
     res = fn(*args)
     assert len(res) == len(outputs)
@@ -190,19 +190,22 @@ def test_interrupt_before_the_steps_stops_there_and_says_which_phase(session, we
 
 
 def test_recipe_and_start_from_adapters_inputs(session, webui):
-    """The tab's recipe and "start from adapters" inputs: data-free needs no prompt and writes the weight-norm
-    selection of the UNet without LoRAs (computed here from the pristine weights); a refit from that file keeps its
-    sites and ranks and trains a stage 2 of the form's steps only."""
+    """The tab's recipe, "start from adapters" and adapter file dtype inputs: data-free needs no prompt and writes
+    the weight-norm selection of the UNet without LoRAs (computed here from the pristine weights), stored fp16 by
+    default or fp32 when chosen; a refit from the fp16 file keeps its sites and ranks and trains a stage 2 of the
+    form's steps only."""
     s = session
-    res = _train(s, filename="df", prompts="", recipe="data-free")
-    text = res[0]
-    assert "lowest fidelity" in text, text
-    got = AdapterSet.load(webui.adapters / "df.safetensors")
     canon, _, _ = layout.to_canonical({k: v.double() for k, v in s.pristine.state_dict().items()})
     from sdslim_core.layout import rank_policy
     want = AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(layout.sites(canon), 0.5), "sd15")
-    assert got.ranks() == want.ranks() and all(torch.equal(got.sites[t][k].double(), want.sites[t][k])
-                                                for t in want.sites for k in want.sites[t])
+    for name, dtype, stored in (("df32", "fp32", torch.float32), ("df", "fp16", torch.float16)):
+        res = _train(s, filename=name, prompts="", recipe="data-free", adapter_dtype=dtype)
+        text = res[0]
+        assert "lowest fidelity" in text, text
+        got = AdapterSet.load(webui.adapters / f"{name}.safetensors")
+        assert all(t.dtype == stored for site in got.sites.values() for t in site.values())
+        assert got.ranks() == want.ranks() and all(torch.equal(got.sites[t][k].double(), want.sites[t][k].to(stored)
+                                                               .double()) for t in want.sites for k in want.sites[t])
     assert "df.safetensors" in s.module._State.choices
     assert "df.safetensors" in res[-2]["choices"] and res[-2]["choices"][0] == a1111_training.NO_START
     text, *_ = _train(s, filename="refit", start_from="df.safetensors", steps=3)
@@ -268,7 +271,7 @@ def test_refusals_leave_everything_as_it_was(session, webui):
     for bad, message in ((dict(prompts=" \n "), "at least one prompt"), (dict(ratio=1.5), "ratio"),
                          (dict(ratio="half"), "ratio must be a number"), (dict(size=100), "multiple of 64"),
                          (dict(steps=2.5), "steps"), (dict(budget="lots"), "budget"),
-                         (dict(filename="../x"), "relative name")):
+                         (dict(filename="../x"), "relative name"), (dict(adapter_dtype="fp8"), "adapter file dtype")):
         text, *_, html = _train(s, **bad)           # in words in the Report box, like the refusals above
         assert message in text and "Error" not in text, (bad, text)
         assert "error" not in html and "Time taken" in html, (bad, html)

@@ -760,9 +760,10 @@ def test_damaged_files_are_left_out_of_every_list_and_never_fail_it(pack, tmp_pa
 # ------------------------------------------------------------------------------------------------ training
 
 def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
-    """The Train node's 'recipe' and 'start_from' inputs: data-free writes the weight-norm selection (computed here
-    on the patcher's own weights, without the node) with the MODEL's fingerprint; a refit from it keeps its sites
-    and ranks and trains only a short stage 2."""
+    """The Train node's 'recipe', 'start_from' and 'adapter_dtype' inputs: data-free writes the weight-norm
+    selection (computed here on the patcher's own weights, without the node) with the MODEL's fingerprint, stored
+    fp16 unless asked for fp32; a refit from the fp16 file keeps its sites and ranks and trains only a short
+    stage 2."""
     import importlib
     from sdslim_core.ops import fingerprint
     training = importlib.import_module("sdslim_nodes_under_test.training")
@@ -772,22 +773,26 @@ def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
     (tmp_path / "sdslim").mkdir()
     node = pack.v1.node_class(pack.specs.TRAIN).INPUT_TYPES()["optional"]
     assert node["recipe"][0] == ["full", "quick", "data-free"] and node["start_from"][0] == ["(none)"]
+    assert node["adapter_dtype"][0] == ["fp16", "bf16", "fp32"]              # the first is the default
     patcher, weights = model
     canon, _, _ = layout.to_canonical(weights)
-    text = training.run(patcher, "df", ratio=0.5, steps=1, seed=0, recipe="data-free")
-    assert "lowest fidelity" in text
-    got = adapters.AdapterSet.load(tmp_path / "sdslim" / "df.safetensors")
     want = adapters.AdapterSet.init_select(canon, rank_policy.ranks_for_ratio(layout.sites(canon), 0.5), "sd15")
-    assert got.ranks() == want.ranks()
-    assert all(torch.equal(got.sites[s][k].double(), want.sites[s][k].double()) for s in want.sites
-               for k in want.sites[s])
+    for name, dtype in (("df32", "fp32"), ("df", None)):
+        text = training.run(patcher, name, ratio=0.5, steps=1, seed=0, recipe="data-free", adapter_dtype=dtype)
+        assert "lowest fidelity" in text
+        got = adapters.AdapterSet.load(tmp_path / "sdslim" / f"{name}.safetensors")
+        stored = torch.float32 if dtype == "fp32" else torch.float16
+        assert got.ranks() == want.ranks()
+        assert all(t.dtype == stored for site in got.sites.values() for t in site.values())
+        assert all(torch.equal(got.sites[s][k].double(), want.sites[s][k].to(stored).double()) for s in want.sites
+                   for k in want.sites[s])
     meter = fingerprint.DistanceMeter(got.metadata["sdslim.base"])
     for site in got.sites:
         for key in fingerprint.site_keys(site, got.kind(site)):
             meter.add(site, key, canon[key])
     assert meter.result().overall < 1e-6
     node = pack.v1.node_class(pack.specs.TRAIN).INPUT_TYPES()["optional"]
-    assert node["start_from"][0] == ["(none)", "df.safetensors"]
+    assert node["start_from"][0] == ["(none)", "df.safetensors", "df32.safetensors"]
     g = torch.Generator().manual_seed(0)
     positive = [[torch.randn(1, 77, 64, generator=g), {}]]
     text = training.run(patcher, "refit", ratio=0.5, steps=2, seed=0, positive=positive, latent_size=4,

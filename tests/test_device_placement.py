@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import randomize_, tiny_config
-from emulated_device import emulated_device
+from emulated_device import accelerators, on
 from sdslim_core import cli, layout, tiny
 from sdslim_core.io.adapters import AdapterSet
 from sdslim_core.modules import swap
@@ -20,6 +20,14 @@ from sdslim_core.ops import fold
 from sdslim_core.train import Calibration, TrainConfig, train_adapters
 
 TINY = tiny.DEFAULT_PATH
+# how close a device's result is to the CPU's: the emulated device runs the CPU's kernels (attention excepted, which
+# takes the math path there); a GPU has its own kernels (and TF32 convolutions)
+CLOSE = {"emulated": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=2e-2, atol=2e-3)}
+
+
+@pytest.fixture(params=accelerators())
+def acc(request):
+    return request.param
 
 
 def micro_config():
@@ -45,22 +53,24 @@ def _adapters(unet, ratio=0.5, seed=1) -> AdapterSet:
     return aset
 
 
-def test_the_fold_brings_cpu_adapters_to_the_weights_they_fold():
+def test_the_fold_brings_cpu_adapters_to_the_weights_they_fold(acc):
     """Guards ops/fold.py (out_bias_shift, the three maps): stage 2's measure, sdslim slim --device, Slim UNet."""
     unet = _teacher()
     aset = _adapters(unet)
     weights = layout.to_canonical(unet.state_dict())[0]
     expected = fold.fold_state_dict(weights, aset)
-    with emulated_device() as dev:
+    with on(acc) as dev:
         on_dev = {k: v.to(dev) for k, v in weights.items()}
         got = fold.fold_state_dict(on_dev, aset)
         assert {t.device for t in got.values()} == {dev}
         got = {k: v.cpu() for k, v in got.items()}
     assert {t.device.type for s in aset.sites.values() for t in s.values()} == {"cpu"}   # the set is not moved
-    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_train_time_adapters_live_on_the_device_of_the_layers_they_wrap():
+def test_train_time_adapters_live_on_the_device_of_the_layers_they_wrap(acc):
     """Guards modules/swap.py (ResDown.forward): the plan's warm-up, stage 2's build, the sensitivity curves."""
     unet = _teacher()
     aset = _adapters(unet)
@@ -69,7 +79,7 @@ def test_train_time_adapters_live_on_the_device_of_the_layers_they_wrap():
     ref_tree, ref_adapters = swap.attach_train_adapters(unet, aset)
     ref = ref_tree(x, t, encoder_hidden_states=ctx).sample
     ref.pow(2).mean().backward()
-    with emulated_device() as dev:
+    with on(acc) as dev:
         tree, adapters = swap.attach_train_adapters(unet.to(dev), aset)
         assert {p.device for a in adapters.values() for p in a.parameters()} == {dev}
         out = tree(x.to(dev), t.to(dev), encoder_hidden_states=ctx.to(dev)).sample
@@ -80,13 +90,13 @@ def test_train_time_adapters_live_on_the_device_of_the_layers_they_wrap():
         student, adapter = swap.train_site(unet.get_submodule(swap.site_path(unet, site)), site, "res", "diffusers",
                                            aset.sites[site], aset.groups(site))
         assert adapter.down.device == dev
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)      # attention takes the math path there
+    torch.testing.assert_close(got, ref, **CLOSE[acc])
     for s, g in grads.items():
-        torch.testing.assert_close(g, ref_adapters[s].up.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g, ref_adapters[s].up.grad, rtol=10 * CLOSE[acc]["rtol"], atol=CLOSE[acc]["atol"])
 
 
-@pytest.fixture(scope="module")
-def trained_on_device(tmp_path_factory):
+@pytest.fixture(scope="module", params=accelerators())
+def trained_on_device(request, tmp_path_factory):
     """A full run on the device: calibration, capture, rank allocation, init, stage 1, stage 2 in two groups (the
     later group folds the first one's sites on the device) and its measure; killed in stage 2, then resumed."""
     out = tmp_path_factory.mktemp("device-run") / "adapters.safetensors"
@@ -99,7 +109,7 @@ def trained_on_device(tmp_path_factory):
         seen.append(info.get("stage"))
         if info.get("stage") == 2 and seen.count(2) == 3:
             raise KeyboardInterrupt
-    with emulated_device() as dev:
+    with on(request.param) as dev:
         with pytest.raises(KeyboardInterrupt):
             train_adapters(_teacher(), micro_config(), calib, tc, out, progress=kill_in_stage2, device=str(dev))
         result = train_adapters(_teacher(), micro_config(), calib, tc, out, resume=True, device=str(dev),
@@ -133,14 +143,14 @@ def _cli(*args) -> str:
     return out.getvalue()
 
 
-def test_slim_lora_convert_and_distance_on_a_device_write_what_the_cpu_writes(tmp_path):
+def test_slim_lora_convert_and_distance_on_a_device_write_what_the_cpu_writes(acc, tmp_path):
     """Guards sdslim slim (merge + fold on the device), lora convert and adapters distance with --device."""
     from sdslim_core.io.tensors import load_file
     outputs = {}
     for name in ("cpu", "device"):
         d = tmp_path / name
         d.mkdir()
-        with emulated_device() as dev:
+        with on(acc) as dev:
             device = dev if name == "device" else "cpu"
             _cli("slim", "--ckpt", TINY, "--adapters", HALF, "--lora", f"{tiny.LORA_PATH}:0.8", "--out",
                  d / "slim.safetensors", "--device", device)
@@ -153,21 +163,22 @@ def test_slim_lora_convert_and_distance_on_a_device_write_what_the_cpu_writes(tm
     for f, tensors in files_cpu.items():
         assert tensors.keys() == files_dev[f].keys()
         for k, v in tensors.items():
-            torch.testing.assert_close(files_dev[f][k], v, rtol=1e-6, atol=1e-7, msg=f"{f}: {k}")
-    assert d_dev["overall"] == pytest.approx(d_cpu["overall"], abs=1e-9)
+            torch.testing.assert_close(files_dev[f][k].float(), v.float(), rtol=1e-3, atol=1e-4, msg=f"{f}: {k}")
+    assert d_dev["overall"] == pytest.approx(d_cpu["overall"], abs=1e-6)
 
 
-def test_eval_on_a_device_measures_what_the_cpu_measures(tmp_path):
+def test_eval_on_a_device_measures_what_the_cpu_measures(acc, tmp_path):
     """Guards sdslim eval --device (teacher, slim model, LoRA and the storage alternatives on the device)."""
     rows = {}
     for name in ("cpu", "device"):
-        with emulated_device() as dev:
+        with on(acc) as dev:
             rows[name] = json.loads(_cli("eval", "--ckpt", TINY, "--adapters", HALF, "--lora", tiny.LORA_PATH,
                                          "--seeds", "1", "--steps", "2", "--compare", "fp8,q8_0", "--no-png",
                                          "--device", dev if name == "device" else "cpu", "--json"))
     cpu, got = rows["cpu"], rows["device"]
     assert got.keys() == cpu.keys()
-    assert got["latent_psnr_db"]["mean"] == pytest.approx(cpu["latent_psnr_db"]["mean"], abs=0.05)
+    assert got["latent_psnr_db"]["mean"] == pytest.approx(cpu["latent_psnr_db"]["mean"],
+                                                          abs=0.05 if acc == "emulated" else 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +190,11 @@ def micro_ckpt(tmp_path_factory):
     return save_file_atomic({layout.CHECKPOINT_PREFIX + k: v for k, v in canon.items()}, path)
 
 
-def test_the_recipes_plan_and_refit_run_on_a_device(micro_ckpt, tmp_path):
+def test_the_recipes_plan_and_refit_run_on_a_device(acc, micro_ckpt, tmp_path):
     """Guards the plan's warm-up (train/plan.py _stage2_step: the GPU run's --plan-only crash), data-free, quick and
     the --from refit with --device."""
     small = ["--trajectories", "2", "--sample-steps", "2", "--latent-size", "8", "--no-vram-estimate", "--no-progress"]
-    with emulated_device() as dev:
+    with on(acc) as dev:
         plan = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "p.safetensors", *small,
                                "--plan-only", "--device", dev, "--json"))
         assert plan["recipes"]["full"]["eta_s"] > 0 and not (tmp_path / "p.safetensors").exists()

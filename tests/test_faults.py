@@ -5,11 +5,12 @@
 Each job runs in a child process forked by ``tests/fault_worker.py`` (which has imported sdslim once). The disk
 is "full" through a file-size limit (RLIMIT_FSIZE: the write fails with EFBIG) and, where this process may mount
 one, a small tmpfs (ENOSPC). A kill is a SIGKILL sent once the job's temporary file exists and has grown (the
-worker slows that file's writes so the test sees it). What must hold: a one-line error naming the file (no
-traceback), nothing partial or empty at the destination (a file that was there is unchanged), the inputs
-unchanged (sha256), a temporary file left by a kill removed by the next write, and `--resume` after a kill or a
-full disk ending with the same adapters as an uninterrupted run (torch.equal); a damaged work folder gives a clear
-error naming the damaged file, or a clean restart with the same result, never a silently different one.
+worker holds that file's write after its first 64 KiB, so the kill lands mid-write on a machine of any speed).
+What must hold: a one-line error naming the file (no traceback), nothing partial or empty at the destination (a
+file that was there is unchanged), the inputs unchanged (sha256), a temporary file left by a kill removed by the
+next write, and `--resume` after a kill or a full disk ending with the same adapters as an uninterrupted run
+(torch.equal); a damaged work folder gives a clear error naming the damaged file, or a clean restart with the same
+result, never a silently different one.
 """
 import json
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import HANG_GUARD_S
 from sdslim_core.io.files import sha256_file
 from sdslim_core.io.tensors import load_file, read_header
 
@@ -31,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "sdslim_core" / "tiny" / "assets"
 TINY, ADAPTERS, LORA = (ASSETS / n for n in ("tiny_sd15.safetensors", "tiny_sd15_slim_half.safetensors",
                                              "tiny_lora_green.safetensors"))
-SLOW = 0.02                 # seconds per 64 KiB of the temporary file that is going to be killed
 TRAIN = ["--ratio", "0.5", "--uniform", "--steps", "2", "--trajectories", "2", "--sample-steps", "2",
          "--res-maps", "8", "--ff-tokens", "256", "--init-methods", "select", "--checkpoint-every", "1",
          "--no-progress", "--no-vram-estimate"]
@@ -45,7 +46,7 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_worker.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.folder, self.jobs = folder, 0
-        assert self._answer(300) == {"ready": True}
+        assert self._answer(HANG_GUARD_S) == {"ready": True}
 
     def _answer(self, timeout: float):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -60,12 +61,12 @@ class Worker:
         log = self.folder / f"job-{self.jobs}.log"
         self.proc.stdin.write(json.dumps(dict(job, log=str(log))) + "\n")
         self.proc.stdin.flush()
-        return self._answer(60)["pid"], log
+        return self._answer(HANG_GUARD_S)["pid"], log
 
     def running(self) -> bool:
         return not select.select([self.proc.stdout], [], [], 0)[0]
 
-    def wait(self, timeout: float = 300) -> int:
+    def wait(self, timeout: float = HANG_GUARD_S) -> int:
         """The job's exit code (minus the signal that ended it)."""
         return self._answer(timeout)["status"]
 
@@ -74,10 +75,10 @@ class Worker:
         return self.wait(), log.read_text()
 
     def kill_mid_write(self, folder: Path, name: str, **job) -> tuple[Path, int]:
-        """Start ``job`` with the writes of ``name``'s temporary file slowed, SIGKILL it once that file has
-        grown; (the temporary file, its size then)."""
-        pid, log = self.start(slow=SLOW, slow_match=name, **job)
-        deadline = time.monotonic() + 300
+        """Start ``job`` with the write of ``name``'s temporary file held after its first 64 KiB, SIGKILL it once
+        that file has grown; (the temporary file, its size then)."""
+        pid, log = self.start(hold=HANG_GUARD_S, hold_match=name, **job)
+        deadline = time.monotonic() + HANG_GUARD_S
         while time.monotonic() < deadline:
             grown = [p for p in folder.glob(f".{name}.*.tmp") if p.stat().st_size > 0]
             if grown:
@@ -91,7 +92,7 @@ class Worker:
     def close(self):
         self.proc.stdin.close()
         self.proc.terminate()                   # between jobs: nothing of its own to finish
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=HANG_GUARD_S)
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +249,10 @@ def test_train_resumes_bit_exactly_after_a_full_disk_and_a_kill_in_a_checkpoint_
     ckpts = work / "checkpoints"
 
     # 1. the disk fills up at the first stage-2 checkpoint (adapters, best copy and two Adam moments: 4x the
-    #    adapter file; every earlier file is at most its size)
-    status, log = worker.run(fsize=2 * ref.stat().st_size, **_train(out))
+    #    adapters in float32; every earlier file is at most the adapter file written in float32, which is the fp16
+    #    file plus 2 bytes per value)
+    fp32_file = ref.stat().st_size + 2 * sum(t.numel() for t in load_file(ref)[0].values())
+    status, log = worker.run(fsize=2 * fp32_file, **_train(out))
     first = ckpts / "s2-000000001.safetensors"
     assert status == 2 and "Traceback" not in log, log
     assert f"{first}: not written" in log and "--resume" in log, log

@@ -1,6 +1,7 @@
 """The GPU suite (bench/gpu_suite.py) cannot rot between GPU days: its dry run (the same code on the CPU, tiny
 UNets) passes every part, writes strict JSON and the markdown, and its numbers agree with independent counts;
-a part that raises, dies or hangs is recorded as such and the suite goes on; without a GPU it says so.
+a part that raises, dies or hangs is recorded as such and the suite goes on; ``--parts failed`` reruns only what
+did not end ok; without a GPU it says so. No assertion is made on time (the caps are hang guards).
 
 The dry run and the fault run are started together (the fault run mostly sleeps through its time caps)."""
 import json
@@ -24,11 +25,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_parts  # noqa: E402
 import gpu_report  # noqa: E402
 import gpu_suite  # noqa: E402
+import gpu_vram  # noqa: E402
+from sdslim_core.io import gguf  # noqa: E402
 
 GIB = 2 ** 30
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", MKL_NUM_THREADS="1",
            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-FAULTS = "environment=raise,vram_study=die,trainer_sd15=hang"
+FAULTS = "environment=raise,trainer_sd15=die,profile=hang"
 
 
 def _start(out: Path, *args, env=ENV):
@@ -42,15 +45,19 @@ def _load(out: Path) -> dict:
     return json.loads((out / "results.json").read_text(), parse_constant=no_constants)
 
 
+# hang guards only (a busy box may take several minutes): no assertion is made on the time itself
+HANG_GUARD_S = 1800
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     dry, faulty = tmp_path_factory.mktemp("dry"), tmp_path_factory.mktemp("faults")
     procs = {"dry": _start(dry, "--dry-run"),
-             "faults": _start(faulty, "--dry-run", "--parts", "environment,vram_study,trainer_sd15,fold",
+             "faults": _start(faulty, "--dry-run", "--parts", "environment,trainer_sd15,profile,trainer_sdxl",
                               "--budget", "12", env=dict(ENV, SDSLIM_GPU_SUITE_FAULT=FAULTS))}
     out = {}
     for name, proc in procs.items():
-        stdout, _ = proc.communicate(timeout=900)
+        stdout, _ = proc.communicate(timeout=HANG_GUARD_S)
         out[name] = {"rc": proc.returncode, "stdout": stdout, "out": dry if name == "dry" else faulty}
     return out
 
@@ -85,66 +92,120 @@ def test_dry_run_every_part_ok_numbers_finite_markdown_written(dry):
     assert not bad, bad
     assert stdout.index("total budget") < stdout.index("environment: ok")          # the plan comes first
     assert md in stdout and md.startswith("# sdslim GPU suite")                   # the markdown is printed
-    for heading in ("## Environment", "## VRAM", "## Trainer on CUDA", "## Speed"):
+    for heading in ("## Environment", "## Training VRAM", "## Trainer on CUDA", "## Speed", "## Sampling VRAM",
+                    "**Where the time goes**"):
         assert heading in md
-    assert "## Problems" not in md
+    assert "## Problems" not in md and "not rendered" not in md
     assert results["parts"]["environment"]["result"]["torch"] == torch.__version__
 
 
-def test_dry_run_vram_measured_next_to_estimate(dry):
+def test_gpu_plan_fits_the_device_call():
+    """The GPU plan's caps: the total budget leaves a device call of 8 minutes its start-up time, and every
+    foreground part's reserve fits in it."""
+    assert gpu_suite.BUDGET_S <= 390
+    assert sum(p.reserve_s for p in gpu_suite.PLAN if not p.background and not p.optional) <= gpu_suite.BUDGET_S
+
+
+def test_dry_run_seed_study_measured_next_to_estimate(dry):
     results, _, _ = dry
-    study = {c["name"]: c for c in results["parts"]["vram_study"]["result"]["curves"]}
+    study = {c["name"]: c for c in results["parts"]["seed_study"]["result"]["curves"]}
     estimate = {c["name"]: c for c in results["parts"]["vram_estimate"]["result"]["curves"]}
-    names = {"base", "adamw8bit", "grad_ckpt", "full_bf16", "lora16", "sdxl_base"}
-    assert set(study) == set(estimate) == names
+    names = set(gpu_vram.DRY_SEED)
+    assert set(study) == names and set(estimate) >= names - {"adamw8bit"}
     assert not study["adamw8bit"]["points"] and "bitsandbytes" in study["adamw8bit"]["notes"][0]
     rows = {(r["name"], r["batch"]): r for r in gpu_report.vram_rows(results)}
-    assert set(rows) == {(n, 1) for n in names - {"adamw8bit"}}
+    assert (("base", 2) in rows) and (("lora16", 2) in rows)
     # a real CPU step counted by LiveTracker vs the estimate on fake tensors: weights, gradients and AdamW states
     # dominate tiny models, so the two must agree closely where no LoRA is involved
-    for name in ("base", "grad_ckpt", "full_bf16", "sdxl_base"):
+    for name in ("base", "grad_ckpt", "sdxl_base"):
         assert abs(rows[(name, 1)]["err_allocated"]) < 0.05, rows[(name, 1)]
     # independent count: fp32 weights + grads + 2 AdamW states = 16 B/param for the full fine-tune
     params = sum(math.prod(s) for s in canonical_shapes(gpu_parts.tiny_config("sd15")).values())
     assert rows[("base", 1)]["allocated"] * GIB >= 16 * params
+    # the allocator model holds at least the live bytes, in whole 2 MiB segments (the small pool's size)
+    for c in estimate.values():
+        for p in c["points"]:
+            assert p["reserved_gib"] >= p["peak_gib"] and (p["reserved_gib"] * GIB) % (2 << 20) == 0
 
 
-def _slim_params(cfg, ratio):
+def _slim_params(cfg, ratio=None, ranks=None):
     shapes = canonical_shapes(cfg)
-    ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), ratio)
+    ranks = ranks or rank_policy.ranks_for_ratio(layout.sites(shapes), ratio)
     return sum(math.prod(s) for s in fold.slim_shapes(shapes, ranks).values())
 
 
-def test_dry_run_speed_weights_match_independent_counts(dry):
+def test_dry_run_speed_weights_and_flops_match_independent_counts(dry):
     results, _, _ = dry
-    for family, n_shapes in (("sd15", 2), ("sdxl", 1)):
+    ranks = results["parts"]["trainer_sd15"]["result"]["ranks"]
+    for family, n_shapes in (("sd15", 3), ("sdxl", 1)):
         res = results["parts"][f"speed_{family}"]["result"]
         cfg = gpu_parts.tiny_config(family)
         assert len(res["shapes"]) == n_shapes
+        expected = {"original": sum(math.prod(s) for s in canonical_shapes(cfg).values()),
+                    **{f"slim {r}": _slim_params(cfg, r) for r in (0.75, 0.5, 0.25)}}
+        if family == "sd15":
+            expected["slim allocated"] = _slim_params(cfg, ranks=ranks)
+        for name, n in expected.items():
+            assert res["weight_gib"][name] * GIB == 2 * n, name                    # fp16
+        assert 0.5 < res["weight_gib"]["original fp8"] / res["weight_gib"]["original"] < 0.75
+        flops = res["flops"]
+        assert flops["original"] > flops["slim 0.75"] > flops["slim 0.5"] > flops["slim 0.25"] > 0
+        assert flops["original channels_last"] == flops["original"] == flops["original fp8"]
         for shape in res["shapes"].values():
             models = shape["models"]
-            assert list(models) == ["original", "slim 0.75", "slim 0.5", "slim 0.25", "original fp8", "slim 0.5 fp8"]
-            assert models["original"]["speedup"] == 1.0 and all(m["n"] == 3 for m in models.values())
-            for name, ratio in (("original", 1.0), ("slim 0.75", 0.75), ("slim 0.5", 0.5), ("slim 0.25", 0.25)):
-                want = (_slim_params(cfg, ratio) if ratio < 1 else
-                        sum(math.prod(s) for s in canonical_shapes(cfg).values())) * 2   # fp16
-                assert models[name]["weight_gib"] * GIB == want, name
-            assert 0.5 < models["original fp8"]["weight_gib"] / models["original"]["weight_gib"] < 0.75
-            assert shape["finite"] and all(0 < e < 0.2 for e in shape["fp8_rel_err"].values())
+            assert models["original"]["graph_speedup"] == models["original"]["eager_speedup"] == 1.0
+            assert models["slim 0.5"]["ideal_speedup"] == flops["original"] / flops["slim 0.5"]
+        assert all(0 < e < 0.2 for e in res["fp8_rel_err"].values())
+    prof = results["parts"]["profile"]["result"]["models"]
+    for name, rec in prof.items():
+        assert rec["ms"]["site"].get("GEMM/conv", 0) > 0 and rec["ms"]["other"].get("attention", 0) > 0, name
 
 
-def test_dry_run_trainer_and_fold(dry):
+def test_dry_run_trainer_reaches_every_phase_with_its_plan(dry):
     results, _, _ = dry
     sites = {f: layout.sites(canonical_shapes(gpu_parts.tiny_config(f))) for f in ("sd15", "sdxl")}
-    sd15, sdxl = (results["parts"][f"trainer_{f}"]["result"] for f in ("sd15", "sdxl"))
-    assert sd15["sites"] == len(sites["sd15"]) and sd15["effective"]["stage2_groups"] == 1
-    assert sdxl["ranks_by_kind"] == {"res": sum(s.kind == "res" for s in sites["sdxl"])}
-    assert sdxl["effective"]["stage2_groups"] == 3 and sdxl["predicted"]["peak_gib"] > 0
-    for t in (sd15, sdxl):
-        assert all(t["finite"].values()) and t["steps_done"] == t["sites"] * 2 + 6
-    f = results["parts"]["fold"]["result"]
-    assert f["sites"] == len(sites["sd15"]) and f["lora_tensors_merged"] > 0
-    assert f["slim_params"] == _slim_params(gpu_parts.tiny_config("sd15"), 0.5)
+    for family in ("sd15", "sdxl"):
+        t = results["parts"][f"trainer_{family}"]["result"]
+        run = t["run"]
+        assert run["finite_adapters"] and set(run["unet_error"]) == {"init", "stage1", "stage2"}
+        assert run["steps_per_s"]["stage1"] > 0 and run["steps_per_s"]["stage2"] > 0
+        assert t["plan"]["eta_s"]["quick"] < t["plan"]["eta_s"]["full"]
+        assert t["fit_8gb"]["groups"] == run["stage2_groups"] == 1              # tiny: everything fits
+        timing = run["timing"]
+        assert timing["calibration_s"] > 0 and timing["stage1_s"] > 0 and timing["stage2_s"] > 0
+    sd15 = results["parts"]["trainer_sd15"]["result"]
+    assert sd15["run"]["timing"]["ranks_s"] > 0                                 # the allocation ran
+    assert set(sd15["ranks"]) <= {s.name for s in sites["sd15"]}
+    assert results["parts"]["trainer_sdxl"]["result"]["run"]["sites"] == len(sites["sdxl"])
+
+
+def test_dry_run_sampling_rows_hold_what_the_gguf_writer_stores(dry):
+    results, _, _ = dry
+    s = results["parts"]["sampling_vram"]["result"]
+    assert s["loader"]["param_dtypes"] == ["float16"] and not s["loader"]["kept_quantised"]
+    for family in ("sd15", "sdxl"):
+        rows = s["families"][family]["rows"]
+        cfg = gpu_parts.tiny_config(family)
+        assert list(rows) == [v["name"] for v in gpu_vram.SAMPLING_VARIANTS]
+        for v in gpu_vram.SAMPLING_VARIANTS:
+            if v["storage"] not in gguf.QUANT_TYPES:
+                continue
+            shapes = canonical_shapes(cfg)
+            if v["ratio"]:
+                shapes = fold.slim_shapes(shapes, rank_policy.ranks_for_ratio(layout.sites(shapes), v["ratio"]))
+            # independent: the writer's bytes of each tensor it quantises, the rest as the fp16 model holds it
+            want = sum(gguf.tensor_bytes(sh, v["storage"]) if gguf.plan(k, sh, v["storage"]).qtype == v["storage"]
+                       else 2 * math.prod(sh) for k, sh in shapes.items())
+            assert rows[v["name"]]["weight_bytes"] == want, v["name"]
+
+
+def test_plot_script_draws_the_seed_curves_from_results_json(dry, tmp_path):
+    pytest.importorskip("matplotlib")
+    import gpu_plots
+    results, _, _ = dry
+    written = gpu_plots.plot_all(results, tmp_path)
+    assert [p.name for p in written] == ["seed_device.png", "seed_allocated.png", "device_error.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
 def test_failing_dying_and_hanging_parts_are_recorded_and_the_suite_goes_on(runs):
@@ -153,14 +214,28 @@ def test_failing_dying_and_hanging_parts_are_recorded_and_the_suite_goes_on(runs
     results = _load(run["out"])
     status = {n: (r["status"], r.get("error", "")) for n, r in results["parts"].items()}
     assert status["environment"] == ("failed", "RuntimeError: injected fault")
-    assert status["vram_study"][0] == "failed" and "died (exit code 9)" in status["vram_study"][1]
-    assert status["trainer_sd15"][0] == "timed_out" and "cap" in status["trainer_sd15"][1]
-    assert status["fold"][0] == "skipped" and "budget" in status["fold"][1]
-    assert results["finished"] and results["wall_s"] < 60
+    assert status["trainer_sd15"][0] == "failed" and "died (exit code 9)" in status["trainer_sd15"][1]
+    assert status["profile"][0] == "timed_out" and "cap" in status["profile"][1]
+    assert status["trainer_sdxl"][0] == "skipped" and "budget" in status["trainer_sdxl"][1]
+    assert results["finished"]
     md = (run["out"] / "results.md").read_text()
     assert "## Problems" in md and "injected fault" in md
 
 
+def test_parts_failed_reruns_only_what_did_not_end_ok(tmp_path):
+    """``--parts failed`` reads the earlier results.json in --out, runs the parts that did not end ok and keeps the
+    others' records as they were."""
+    kept = {"status": "ok", "section": "speed", "what": "x", "seconds": 1.0, "result": {"marker": 7}}
+    earlier = {"parts": {"environment": {"status": "failed", "error": "injected"}, "profile": kept}}
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    proc = _start(tmp_path, "--dry-run", "--parts", "failed")
+    stdout, _ = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, stdout[-3000:]
+    results = _load(tmp_path)
+    assert list(results["parts"]) == ["environment", "profile"]
+    assert results["parts"]["environment"]["status"] == "ok"
+    assert results["parts"]["profile"] == kept
+    assert "=== profile" not in stdout                                  # not run again
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_gpu_mode_without_gpu_skips_with_the_reason_and_exits_2(tmp_path):
     proc = _start(tmp_path, "--parts", "speed_sdxl")

@@ -11,6 +11,7 @@ import tomllib
 import pytest
 import torch
 
+from conftest import HANG_GUARD_S
 from sdslim_core import cli, optional, tiny
 from sdslim_core.io.tensors import save_file_atomic
 from test_slim_roundtrip import canonical_weights, random_adapters, write_ldm_checkpoint
@@ -90,7 +91,7 @@ def test_multi_process_train_without_accelerate(monkeypatch, tmp_path):
     env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join((os.environ["PYTHONPATH"], ROOT)))
     proc = subprocess.run([sys.executable, "-m", "sdslim_core.cli", "train", "--ckpt", TINY,
                            "--out", str(tmp_path / "a.safetensors"), *TRAIN_FAST],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr
     assert "sdslim train: error: multi-process training (WORLD_SIZE=2) needs accelerate, which is not installed; " \
            + hint("sdslim[train]", "accelerate") in proc.stderr
@@ -217,5 +218,5 @@ def test_lycoris_forms_after_slim_work_with_only_requirements_txt(monkeypatch, t
              "weights",
              "tests/test_a1111_extension.py::test_lycoris_forms_and_an_ff_intercept_apply_in_slim_space_exactly"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]

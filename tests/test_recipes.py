@@ -136,7 +136,8 @@ def test_from_keeps_sites_and_ranks_never_allocates_and_fingerprints_the_derivat
             for key in fingerprint.site_keys(site, a.kind(site)):
                 meter.add(site, key, src.weights[key])
         assert (meter.result().overall > 1e-3) == far
-    _, err = _run(capsys, "train", "--ckpt", deriv, "--out", out, "--from", base, "--ratio", "0.5", *CALIB, rc=2)
+    _, err = _run(capsys, "train", "--ckpt", deriv, "--out", tmp_path / "other.safetensors", "--from", base,
+                  "--ratio", "0.5", *CALIB, rc=2)
     assert "--from keeps the ranks" in err and "--ratio" in err
 
 
@@ -155,7 +156,8 @@ def test_plan_only_prices_the_ladder_with_warm_up_progress_lines(tmp_path, capsy
     assert [p["name"] for p in quick["phases"]] == ["calibration", "capture", "rank curves", "init"]
     assert full["phases"][-1]["name"] == "stage 2" and quick["eta_s"] < full["eta_s"]
     assert quick["phases"][0]["units"] == 8 and full["phases"][0]["units"] == 16      # the light calibration
-    assert ladder["data-free"]["seconds"] < quick["eta_s"] and quick["ram_bytes"] > 0
+    assert ladder["data-free"].keys() == {"seconds", "ram_bytes"} and ladder["data-free"]["ram_bytes"] > 0
+    assert quick["ram_bytes"] > 0          # (their times side by side: bench/RESULTS.md, Recipes)
     assert sorted(p.name for p in tmp_path.iterdir()) == []                       # nothing written
 
 
@@ -220,3 +222,17 @@ def test_every_front_end_offers_the_recipes_the_trainer_knows(monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, specs)          # dataclasses look their module up
     spec.loader.exec_module(specs)
     assert specs.RECIPES == recipes.CHOICES
+
+
+def test_the_warm_up_times_a_gpu_step_after_its_first_call(monkeypatch):
+    """The first GPU run priced SD1.5's stage-2 step at 12.6 s and a batch-8 forward at 4.5 s on an H200: both were
+    the first call, which loads kernels and picks algorithms. On a GPU the second call is the one timed; on the CPU a
+    slow first call is the measure (a fake clock: no wall time is compared)."""
+    clock = [0.0]
+    monkeypatch.setattr(plan_mod.time, "perf_counter", lambda: clock[0])
+    durations = iter([30.0, 0.2] * 2)
+
+    def step():
+        clock[0] += next(durations)
+    assert plan_mod._timed(step, torch.device("cuda")) == pytest.approx(0.2)
+    assert plan_mod._timed(step, torch.device("cpu")) == pytest.approx(30.0)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import HANG_GUARD_S, tiny_config
 from sdslim_core import layout
 from sdslim_core.io.adapters import AdapterSet
 from sdslim_core.modules.unet import build_diffusers_unet
@@ -166,7 +166,7 @@ def test_two_cpu_processes_shard_stage1_and_share_stage2(reference, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), os.path.join(here, "train_dist_worker.py"), str(tmp_path),
            json.dumps(dict(FAST, stage2_steps=4))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a, b = (AdapterSet.load(tmp_path / f"rank{r}.safetensors") for r in (0, 1))
     for site, t in a.sites.items():                      # gradients were averaged: both processes agree

@@ -41,6 +41,7 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
+from conftest import HANG_GUARD_S  # noqa: E402
 from sdslim_core import cli  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,10 +89,10 @@ def server(root, tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "sdslim_core.cli", "ui", "--port", str(port),
                                  "--root", str(root)], stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=str(root))
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(url, timeout=HANG_GUARD_S) as r:
                 if r.status == 200:
                     break
         except OSError:
@@ -103,7 +104,7 @@ def server(root, tmp_path_factory):
     yield url
     proc.terminate()
     try:
-        proc.wait(20)
+        proc.wait(HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         proc.kill()
 
@@ -114,7 +115,7 @@ class Page:
     def __init__(self, driver, shots):
         self.d, self.shots = driver, shots
 
-    def el(self, elem_id, css="", timeout=15):
+    def el(self, elem_id, css="", timeout=HANG_GUARD_S):
         """The first element matching ``#elem_id css``, once it is there (widgets appear after a server round trip)."""
         selector = ", ".join(f"#{elem_id} {c.strip()}".strip() for c in css.split(","))
         return self.wait(lambda: self.d.find_elements(By.CSS_SELECTOR, selector), timeout, selector)[0]
@@ -131,7 +132,8 @@ class Page:
         """Pick the dropdown option shown as ``label``."""
         box = self.el(elem_id, "input")
         box.click()
-        self.wait(lambda: self.d.find_elements(By.CSS_SELECTOR, f'#{elem_id} li[aria-label="{label}"]'), 10,
+        option = f'#{elem_id} li[aria-label="{label}"]'
+        self.wait(lambda: self.d.find_elements(By.CSS_SELECTOR, option), HANG_GUARD_S,
                   f"option {label} of {elem_id}")[0].click()
         time.sleep(0.2)
 
@@ -177,7 +179,7 @@ class Page:
             time.sleep(0.25)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
-    def press(self, button_id, status_id, word, timeout):
+    def press(self, button_id, status_id, word, timeout=HANG_GUARD_S):
         """Click a button and wait until the status changes to a text with ``word`` (or an error); returns it."""
         before = self.text(status_id)
         self.click(button_id)
@@ -212,13 +214,13 @@ def page(server, tmp_path_factory):
                  f"--user-data-dir={profile}", "--window-size=1400,1000"):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
+    driver.set_page_load_timeout(HANG_GUARD_S)
     try:
         driver.get(server)
         shots = SHOTS or str(tmp_path_factory.mktemp("ui_shots"))
         os.makedirs(shots, exist_ok=True)
         p = Page(driver, shots)
-        p.wait(lambda: driver.find_elements(By.ID, "plan-run"), 60, "the app to render")
+        p.wait(lambda: driver.find_elements(By.ID, "plan-run"), HANG_GUARD_S, "the app to render")
         yield p
     finally:
         driver.quit()
@@ -249,13 +251,13 @@ def test_planner_matches_vram_estimate_json(page, root):
     page.click("plan-run")
     # while the estimate runs (its own process), another tab answers
     page.tab("Breakdown")
-    assert "exact count" in page.press("bd-run", "bd-table", "exact count", 120)
+    assert "exact count" in page.press("bd-run", "bd-table", "exact count")
     assert "Done" not in page.text("plan-status"), "the estimate finished before the breakdown: nothing was shown"
     page.tab("VRAM planner")
-    status = page.wait(lambda: (t := page.text("plan-status")) and ("Done" in t or "Error" in t) and t, 240,
+    status = page.wait(lambda: (t := page.text("plan-status")) and ("Done" in t or "Error" in t) and t, HANG_GUARD_S,
                        "the estimate")
     assert "Done" in status, status
-    out, err = reference.communicate(timeout=240)
+    out, err = reference.communicate(timeout=HANG_GUARD_S)
     assert reference.returncode == 0, err
     expected = json.loads(out)
 
@@ -279,7 +281,7 @@ def test_planner_matches_vram_estimate_json(page, root):
         page.type_into("plan-batches", "1,2,4,8")
         page.type_into("plan-res", "768")
         page.type_into("plan-gpu", "8")
-        assert "Done" in page.press("plan-run", "plan-status", "Done", 400)
+        assert "Done" in page.press("plan-run", "plan-status", "Done")
     page.screenshot("planner")
 
     # the same setting again comes from the cache
@@ -288,19 +290,19 @@ def test_planner_matches_vram_estimate_json(page, root):
         page.radio("plan-task", "full fine-tune")
         page.type_into("plan-batches", "1,2")
         page.type_into("plan-res", "64")
-    assert "cached" in page.press("plan-run", "plan-status", "Done", 30)
+    assert "cached" in page.press("plan-run", "plan-status", "Done")
     # a new setting can be cancelled
     page.type_into("plan-batches", "1,2,3")
     page.click("plan-run")
-    page.wait(lambda: "building" in page.text("plan-status") or "estimated" in page.text("plan-status"), 30,
+    page.wait(lambda: "building" in page.text("plan-status") or "estimated" in page.text("plan-status"), HANG_GUARD_S,
               "the estimate to start")
-    assert page.press("plan-cancel", "plan-status", "Cancelled.", 30) == "Cancelled."
+    assert page.press("plan-cancel", "plan-status", "Cancelled.") == "Cancelled."
 
 
 def test_breakdown_shows_the_seed_numbers(page, capsys):
     page.tab("Breakdown")
     page.radio("bd-mode", "seed")
-    assert "seed count" in page.press("bd-run", "bd-table", "seed count", 120)
+    assert "seed count" in page.press("bd-run", "bd-table", "seed count")
     rc, out, _ = run_cli(capsys, "breakdown", "--arch", "sd15", "--mode", "seed", "--ratio", "0.5", "--json")
     expected = json.loads(out)
     rows = {r[0]: r[1:] for r in page.table("bd-table")}
@@ -323,7 +325,7 @@ def test_slim_writes_a_checkpoint_that_loads(page, root, capsys, tmp_path):
     page.choose("slim-lora0", "tiny_lora_green.safetensors")
     page.type_into("slim-lora0-strength", "0.8")
     page.type_into("slim-name", "tiny_slim.safetensors")
-    status = page.press("slim-run", "slim-status", "Wrote", 120)
+    status = page.press("slim-run", "slim-status", "Wrote")
     out = root / "tiny_slim.safetensors"
     from sdslim_core.io.files import format_bytes
     shown = " ".join(status.split()).replace(" :", ":")     # the path is a code span: the browser may space it
@@ -354,7 +356,7 @@ def test_slim_bad_input_shows_the_cli_error_and_writes_nothing(page, root, capsy
     page.choose("slim-adapters", "broken_adapters.safetensors")
     page.choose("slim-lora0", "— none —")
     page.type_into("slim-name", "should_not_exist.safetensors")
-    shown = page.press("slim-run", "slim-status", "Error", 60)
+    shown = page.press("slim-run", "slim-status", "Error")
     rc, _, err = run_cli(capsys, "slim", "--ckpt", root / "tiny_sd15.safetensors", "--adapters",
                          root / "broken_adapters.safetensors", "--out", tmp_path / "x.safetensors")
     assert rc == 2 and shown == "Error: " + err.strip()
@@ -362,7 +364,7 @@ def test_slim_bad_input_shows_the_cli_error_and_writes_nothing(page, root, capsy
     # a path outside the --root folder is refused before anything is read
     page.custom_value("slim-ckpt", "/etc/hostname")
     page.choose("slim-adapters", "tiny_adapters.safetensors")
-    assert "outside the folders" in page.press("slim-run", "slim-status", "Error", 60)
+    assert "outside the folders" in page.press("slim-run", "slim-status", "Error")
     assert "/etc/hostname: outside the folders this UI may use" in page.text("slim-status")
     assert sorted(os.listdir(root)) == before and not list(tmp_path.iterdir())
 
@@ -375,7 +377,7 @@ def test_compare_shows_the_eval_grid_and_numbers(page, root):
     page.type_into("cmp-seeds", "2")
     page.type_into("cmp-steps", "8")
     page.click("cmp-run")
-    page.wait(lambda: page.table("cmp-table") or "Error" in page.text("cmp-status"), 180, "the comparison")
+    page.wait(lambda: page.table("cmp-table") or "Error" in page.text("cmp-status"), HANG_GUARD_S, "the comparison")
     rows = {r[0]: r[1] for r in page.table("cmp-table")}
     ref = evaluate(root / "tiny_sd15.safetensors", root / "tiny_adapters.safetensors", seeds=2, steps=8)
     shown = float(rows["image PSNR"].split()[0])
@@ -393,7 +395,7 @@ def test_no_file_is_served_by_path(server, root):
     for path in (root / "tiny_sd15.safetensors", "tiny_sd15.safetensors", "/etc/passwd",
                  os.path.join(REPO, "README.md")):
         try:
-            with urllib.request.urlopen(f"{server}gradio_api/file={path}", timeout=10) as r:
+            with urllib.request.urlopen(f"{server}gradio_api/file={path}", timeout=HANG_GUARD_S) as r:
                 status = r.status
         except urllib.error.HTTPError as err:
             status = err.code

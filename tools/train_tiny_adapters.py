@@ -1,5 +1,6 @@
 """Train the shipped sdslim adapter file of the tiny teacher (the ComfyUI tiny demo's Slim UNet adapters) with the
-product's own `sdslim train`, and record it in the asset manifest."""
+product's own `sdslim train`, and record it in the asset manifest. It is written float32, as every adapter file was
+before fp16 became the default: the suite's file of that older kind."""
 import argparse
 import os
 import shutil
@@ -32,7 +33,7 @@ def main():
         return add_fingerprint(out)
     cmd = [sys.executable, "-m", "sdslim_core.cli", "train", "--ckpt", str(tiny.DEFAULT_PATH.relative_to(ROOT)),
            "--out", str(out.relative_to(ROOT)), "--ratio", str(args.ratio), "--steps", str(args.steps),
-           "--seed", str(args.seed), "--no-progress", "--no-vram-estimate"]
+           "--seed", str(args.seed), "--adapter-dtype", "fp32", "--no-progress", "--no-vram-estimate"]
     start = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     seconds = time.time() - start
@@ -53,7 +54,8 @@ def add_fingerprint(out):
     import json
     tmp = out.with_name(out.stem + ".fp.safetensors")
     subprocess.run([sys.executable, "-m", "sdslim_core.cli", "adapters", "fingerprint", str(out.relative_to(ROOT)),
-                    "--ckpt", str(tiny.DEFAULT_PATH.relative_to(ROOT)), "--out", str(tmp.relative_to(ROOT))],
+                    "--ckpt", str(tiny.DEFAULT_PATH.relative_to(ROOT)), "--out", str(tmp.relative_to(ROOT)),
+                    "--adapter-dtype", "fp32"],
                    cwd=ROOT, check=True)
     os.replace(tmp, out)
     entry = json.loads(MANIFEST.read_text())[out.name]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .. import devices
 from ..io import gguf
-from ..io.adapters import AdapterError, AdapterSet
+from ..io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES, AdapterError, AdapterSet, narrowed
 from ..io.slim_checkpoint import find_adapter_file, read_metadata
 from ..io.tensors import load_file, save_file_atomic
 from ..modules.unet import open_checkpoint
@@ -44,10 +44,11 @@ def checkpoint_distance(ckpt, adapters, device: str = "cpu") -> fingerprint.Dist
     return meter.result()
 
 
-def add_fingerprint(adapters, base_ckpt, out, overwrite: bool = False) -> Path:
+def add_fingerprint(adapters, base_ckpt, out, overwrite: bool = False,
+                    dtype=FILE_DTYPES[DEFAULT_FILE_DTYPE]) -> Path:
     """A copy of the adapter file ``adapters`` at ``out`` with the base fingerprint of ``base_ckpt`` (the model it
-    was trained on) in its ``sdslim.base`` metadata; tensors unchanged. The input is never rewritten (its sha256 is
-    what slim files made with it record); an existing ``out`` is replaced only with ``overwrite``."""
+    was trained on) in its ``sdslim.base`` metadata, its tensors stored as ``dtype``. The input is never rewritten
+    (its sha256 is what slim files made with it record); an existing ``out`` is replaced only with ``overwrite``."""
     out = Path(out)
     check_output_path(out, adapters, base_ckpt, what="the adapter file", overwrite=overwrite)
     aset = AdapterSet.load(adapters, lazy=True)
@@ -58,4 +59,5 @@ def add_fingerprint(adapters, base_ckpt, out, overwrite: bool = False) -> Path:
     tensors, meta = load_file(adapters)
     base = dict(aset.metadata.get("sdslim.base") or {})
     base.update(family=src.config.family, sketches=sketches, checkpoint=Path(str(base_ckpt)).name)
-    return save_file_atomic(tensors, out, {**meta, "sdslim.base": base}, overwrite=overwrite)
+    return save_file_atomic(narrowed(tensors, dtype, str(adapters)), out, {**meta, "sdslim.base": base},
+                            overwrite=overwrite)

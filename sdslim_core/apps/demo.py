@@ -291,7 +291,8 @@ def summary_markdown(s: dict) -> str:
 
 
 def run(args) -> int:
-    summary = run_demo(args.out, ratio=args.ratio, fast=args.fast, sample_steps=args.sample_steps, seed=args.seed)
+    summary = run_demo(args.out, ratio=args.ratio, fast=args.fast, sample_steps=args.sample_steps, seed=args.seed,
+                       train_overrides={"adapter_dtype": args.adapter_dtype})
     if args.json:
         print(json.dumps(summary, default=str))
     return 0

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 import sys
 
+from ..io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
 from ..ops.fingerprint import WARN_DISTANCE
+
+
+def add_dtype_argument(parser):
+    """``--adapter-dtype``: the storage dtype of the adapter file a command writes."""
+    parser.add_argument("--adapter-dtype", choices=tuple(FILE_DTYPES), default=DEFAULT_FILE_DTYPE,
+                        help=f"storage dtype of the adapter file (default {DEFAULT_FILE_DTYPE}: half the bytes of "
+                             "fp32, the same slim model to a cosine of 1.0000000; every reader computes in fp32)")
 
 
 def _find(args) -> int:
@@ -33,9 +41,10 @@ def _distance(args) -> int:
 
 def _fingerprint(args) -> int:
     from ..apps.adapter_files import add_fingerprint
-    out = add_fingerprint(args.adapters, args.ckpt, args.out, overwrite=args.overwrite)
+    out = add_fingerprint(args.adapters, args.ckpt, args.out, overwrite=args.overwrite,
+                          dtype=FILE_DTYPES[args.adapter_dtype])
     print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}: {args.adapters} with the base fingerprint "
-          f"of {args.ckpt} (tensors unchanged)", file=sys.stdout if args.json else sys.stderr)
+          f"of {args.ckpt} (tensors as {args.adapter_dtype})", file=sys.stdout if args.json else sys.stderr)
     return 0
 
 
@@ -62,10 +71,13 @@ def register(sub):
     c = cmds.add_parser("fingerprint", help="add the base fingerprint of its base checkpoint to an adapter file",
                         description="Write a copy of an adapter file with the base fingerprint of the checkpoint it "
                                     "was trained on (adapter files from sdslim train have one already). The copy "
-                                    "has a new sha256; slim files made with the old file keep finding the old one.")
+                                    "has a new sha256; slim files made with the old file keep finding the old one. "
+                                    "Its tensors are stored as --adapter-dtype (an older fp32 file comes out at "
+                                    "half the size).")
     c.add_argument("adapters", help="the adapter file")
     c.add_argument("--ckpt", required=True, help="the base checkpoint the adapters were trained on")
     c.add_argument("--out", required=True, help="the new adapter file (.safetensors)")
+    add_dtype_argument(c)
     c.add_argument("--overwrite", action="store_true", help="replace --out if it exists (default: refuse)")
     c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     c.set_defaults(func=_fingerprint)

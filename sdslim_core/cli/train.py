@@ -1,6 +1,7 @@
 """``sdslim train``: parser and handler (heavy imports inside the handler).
 
-    sdslim train --ckpt PATH --out ADAPTERS [--recipe data-free|quick|full] [--from BASE_ADAPTERS]
+    sdslim train --ckpt PATH --out ADAPTERS [--adapter-dtype fp16|bf16|fp32] [--recipe data-free|quick|full]
+                 [--from BASE_ADAPTERS]
                  [--ratio 0.5 | --ff-rank N --res-ratio R | --budget X]
                  [--steps N] [--stage1-steps N --stage2-steps N] [--prompts FILE | --prompt TEXT ...]
                  [--negative TEXT] [--clip-skip N] [--tokenizer DIR] [--embeddings FILE] [--latents DIR] [--images DIR] [--device D] [--resume] [--work-dir DIR]
@@ -17,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from .adapters import add_dtype_argument
 from .encode import add_text_arguments, prompt_encoder, read_prompts
 
 
@@ -25,6 +27,7 @@ def register(subparsers):
                                             "itself, block-local stage, Theseus stage)")
     p.add_argument("--ckpt", required=True, help="teacher checkpoint (.safetensors single file or diffusers folder)")
     p.add_argument("--out", required=True, help="adapter file to write (.safetensors)")
+    add_dtype_argument(p)
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out if it exists (default: refuse, before training starts and when it ends)")
     p.add_argument("--recipe", choices=("data-free", "quick", "full"), default="full",   # train/recipes.py RECIPES
@@ -96,6 +99,12 @@ def register(subparsers):
     o.add_argument("--no-plan", action="store_true", help="skip the cost plan (UNet passes per phase, work folder "
                                                           "size, ETA from a short warm-up) printed before training")
     o.add_argument("--plan-only", action="store_true", help="print the cost plan and exit without training")
+    o.add_argument("--fit-gib", type=float, default=None,
+                   help="--plan-only also names the stage-2 groups that train within a device of this many GiB, by the "
+                        "predicted whole-device peak (default: 8 when the run would train on CUDA; 0: skip)")
+    o.add_argument("--context-gib", type=float, default=None,
+                   help="the CUDA context of the device --fit-gib checks for (GiB beyond torch's reserve that "
+                        "nvidia-smi shows; default: the estimator's measured H200 figure, see docs/vram.md)")
     o.add_argument("--keep-work", action="store_true", help="keep <out>.work (calibration data, checkpoints) after a "
                                                             "successful run (default: removed)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -182,6 +191,8 @@ def config_from_args(args, pipe=None, log=None):
         v = getattr(args, attr, None)
         if v is not None:
             kw[name] = v
+    if getattr(args, "adapter_dtype", None):
+        kw["adapter_dtype"] = args.adapter_dtype
     if getattr(args, "uniform", False):
         kw["uniform"] = True
     if getattr(args, "budget_by", None):
@@ -229,12 +240,16 @@ def cmd_train(args) -> int:
     if args.plan_only:
         calib = build_calibration(args, ckpt, pipe)
         try:
-            ladder = _plan_ladder(args, ckpt, calib, pipe, log)
+            ladder, session = _plan_ladder(args, ckpt, calib, pipe, log)
         except PlanMemoryError as err:
             print(f"sdslim train: error: {err}", file=sys.stderr)
             return 2
-        print(json.dumps(ladder.to_dict()) if args.json else ladder.text(),
-              file=sys.stdout if args.json else sys.stderr)
+        fit_gib = args.fit_gib if args.fit_gib is not None else (8.0 if session.device.type == "cuda" else 0)
+        fit = _device_fit(session, fit_gib, args.context_gib) if fit_gib else None
+        if args.json:
+            print(json.dumps(dict(ladder.to_dict(), device_fit=fit)))
+        else:
+            print(ladder.text() + (f"\n{fit['text']}" if fit else ""), file=sys.stderr)
         return 0
     if args.recipe == "data-free":
         return _data_free(args, ckpt, tc)
@@ -272,7 +287,8 @@ def cmd_train(args) -> int:
 
 
 def _plan_ladder(args, ckpt, calib, pipe, log):
-    """The recipes side by side (``--from``: the refit next to a full run of the derivative), one warm-up."""
+    """(the recipes side by side, the session they were priced for: ``--from``: the refit next to a full run of the
+    derivative), one warm-up."""
     from ..train.recipes import plan_ladder
     from ..train.session import Session
     from ..train.teacher import teacher_weights
@@ -287,7 +303,14 @@ def _plan_ladder(args, ckpt, calib, pipe, log):
     session = Session(weights, cfg, heaviest, calib, args.out, None, False)
     data_free_cfg = None if args.start_from or args.budget else config_from_args(
         argparse.Namespace(**dict(vars(args), recipe="data-free")), pipe, log)
-    return plan_ladder(session, variants, data_free_cfg)
+    return plan_ladder(session, variants, data_free_cfg), session
+
+
+def _device_fit(session, fit_gib: float, context_gib) -> dict:
+    """The stage-2 groups within ``fit_gib`` of the plan's heaviest recipe (``train.device_fit``)."""
+    from ..train.device_fit import device_fit
+    from ..train.plan import warm_ranks
+    return device_fit(session, warm_ranks(session), fit_gib, context_gib)
 
 
 def _data_free(args, ckpt, tc) -> int:

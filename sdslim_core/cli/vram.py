@@ -28,6 +28,9 @@ def register(subparsers):
     est.add_argument("--matrix", default=None, help="run the study matrix instead: all|finetune|lora|small|NAME,...")
     est.add_argument("--out", default=None, help="write JSON/CSV/PNG/fit table into this folder")
     est.add_argument("--timeout", type=float, default=None, help="seconds before the worker is stopped")
+    est.add_argument("--context-gib", type=float, default=None,
+                     help="your GPU's CUDA context for the device peak: GiB nvidia-smi shows beyond torch's reserved "
+                          "memory (default: the H200 figure in docs/vram.md)")
     est.add_argument("--json", action="store_true")
     est.set_defaults(func=cmd_estimate)
 
@@ -103,10 +106,11 @@ def estimate_results(args, **worker_kw) -> list:
     batches = parse_batch_sizes(args.batch_sizes)
     if args.matrix:
         entries = with_overrides(select_matrix(args.matrix), args.arch, args.resolution)
-        return estimate.estimate_many(entries, batches, **worker_kw)
+        return estimate.estimate_many(entries, batches, getattr(args, "context_gib", None), **worker_kw)
     if args.sampling:
-        return estimate.estimate_sampling(settings_from_args(args), batches, **worker_kw)
-    return [estimate.estimate(settings_from_args(args), batches, **worker_kw)]
+        return estimate.estimate_sampling(settings_from_args(args), batches, getattr(args, "context_gib", None),
+                                          **worker_kw)
+    return [estimate.estimate(settings_from_args(args), batches, getattr(args, "context_gib", None), **worker_kw)]
 
 
 def results_json(args, results) -> dict:

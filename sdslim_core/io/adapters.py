@@ -7,6 +7,10 @@ Metadata: ``sdslim.format``=``sdslim-adapters``, ``sdslim.version`` (``1``, or `
 ``sdslim.family``, ``sdslim.norm_groups`` (JSON site→groups where not 32), free JSON (``sdslim.train``,
 ``sdslim.base``).
 
+Storage: a delivered file holds its tensors in :data:`DEFAULT_FILE_DTYPE` (fp16) unless asked for another of
+:data:`FILE_DTYPES`; any float dtype reads (files written before were float32), and every consumer computes in
+float32 from what it reads (``ops/fold.py``'s maps, ``modules/swap.SiteAdapter``). Training state keeps float32.
+
 Ranks and GroupNorm groups of Res bottlenecks follow :mod:`sdslim_core.layout.rank_policy`.
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ READ_VERSIONS = ("1", "2")
 FF_TENSORS = ("down_value", "down_gate", "up")
 FF_OPTIONAL = ("up_bias",)
 RES_TENSORS = ("down", "norm.weight", "norm.bias", "up")
+FILE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}   # a delivered file's choices
+DEFAULT_FILE_DTYPE = "fp16"           # half the bytes of float32, the same slim model to 7 digits (bench/RESULTS.md)
 
 
 class AdapterError(FileFormatError):
@@ -144,15 +150,22 @@ class AdapterSet:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{s}.{n}": v for s, t in self.sites.items() for n, v in t.items()}
 
+    def stored_as(self, dtype: torch.dtype) -> "AdapterSet":
+        """A copy holding the tensors as a file written with ``dtype`` holds them (on the CPU); AdapterError
+        naming the tensor when a value does not fit ``dtype``'s range."""
+        return AdapterSet(self.family, {s: narrowed(t, dtype, self.source, f"{s}.") for s, t in self.sites.items()},
+                          self.norm_groups, self.metadata, self.source)
+
     def save(self, path, dtype: torch.dtype | None = None) -> Path:
+        """Write the adapter file; ``dtype``: the tensors' storage dtype (None: as held, e.g. training state)."""
         meta = dict(self.metadata)
         version = VERSION if any("up_bias" in t for t in self.sites.values()) else 1
         meta.update({"sdslim.format": FORMAT, "sdslim.version": str(version), "sdslim.family": self.family})
         groups = {s: g for s, g in self.norm_groups.items() if g != rank_policy.DEFAULT_GROUPS}
         if groups:
             meta["sdslim.norm_groups"] = groups
-        tensors = {k: (v if dtype is None else v.to(dtype)).detach().cpu() for k, v in self.state_dict().items()}
-        return save_file_atomic(tensors, path, meta)
+        tensors = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        return save_file_atomic(tensors if dtype is None else narrowed(tensors, dtype, str(path)), path, meta)
 
     @classmethod
     def load(cls, path, lazy: bool = False) -> "AdapterSet":
@@ -253,6 +266,29 @@ class AdapterSet:
                 if g != rank_policy.DEFAULT_GROUPS:
                     groups[site] = g
         return cls(family, sites, groups, metadata)
+
+
+def file_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a :data:`FILE_DTYPES` name (``fp16``, ``bf16``, ``fp32``); ValueError naming the choices."""
+    try:
+        return FILE_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"adapter file dtype must be one of {', '.join(FILE_DTYPES)}, got {name!r}") from None
+
+
+def narrowed(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, source: str,
+             prefix: str = "") -> dict[str, torch.Tensor]:
+    """``tensors`` cast to ``dtype`` on the CPU; AdapterError naming ``source`` and the key (``prefix + key``) when a
+    finite value overflows ``dtype`` (fp16 stops at 65504)."""
+    out = {}
+    for key, v in tensors.items():
+        cast = v.detach().to("cpu", dtype)
+        if _has_values(v) and not all_finite(cast) and all_finite(v):
+            wider = [n for n, d in FILE_DTYPES.items() if torch.finfo(d).max > torch.finfo(dtype).max]
+            raise AdapterError(f"{source}: {prefix}{key}: values up to {float(v.abs().max()):.4g} do not fit "
+                               f"{str(dtype).replace('torch.', '')}; write the file as {' or '.join(wider)}")
+        out[key] = cast
+    return out
 
 
 def _has_values(t: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ groups): kept channels are then normalised over exactly the channels the teacher
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 from .. import layout
@@ -59,3 +60,17 @@ def ranks_for_ratio(site_list: Iterable[layout.Site], ratio: float | None = None
 def fit_groups(channels: int, groups: int) -> int:
     """``groups`` when it divides ``channels``, else :func:`norm_groups_for` (a resized GroupNorm's groups)."""
     return groups if channels % groups == 0 else norm_groups_for(channels)
+
+
+def aligned_rank(width: int, rank: int, kind: str, multiple: int = 64) -> int:
+    """``rank`` rounded to the nearest multiple of ``multiple`` (GPU matrix units work in tiles of 64/128; a
+    bottleneck of 400 runs as one of 448 or 512), within [that multiple, ``width``]. A Res rank also stays whole
+    ``norm2`` groups (a multiple of ``group_size(width)`` too); where no such multiple up to the rank exists, the
+    next smaller power-of-two ``multiple`` (down to 8) is tried, and the rank is kept when none fits."""
+    m = multiple
+    while m >= 8:
+        step = m if kind == "ff" else m * group_size(width) // math.gcd(m, group_size(width))
+        if step <= rank:
+            return min(width, max(step, step * int(rank / step + 0.5)))
+        m //= 2
+    return rank

@@ -67,28 +67,41 @@ def set_rng_state(tensors: dict, meta: dict):
 # ---------------------------------------------------------------------------------------- optimizer state
 
 def optimizer_tensors(opt: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """(tensors, json) of an optimizer's state. A parameter's state may nest dicts (bitsandbytes ≥ 0.45 keeps its
+    8-bit quantisation state in one): their keys join with ``/``, tensors at any depth go to the file's tensors."""
     if opt is None:
         return {}, {}
     sd = opt.state_dict()
     tensors, scalars = {}, {}
+
+    def put(path: str, v):
+        if isinstance(v, torch.Tensor):
+            tensors[f"opt/{path}"] = v
+        elif isinstance(v, dict) and v:
+            for k, vv in v.items():
+                put(f"{path}/{k}", vv)
+        else:
+            scalars[path] = v
     for idx, st in sd["state"].items():
         for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"opt/{idx}/{k}"] = v
-            else:
-                scalars[f"{idx}/{k}"] = v
+            put(f"{idx}/{k}", v)
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def load_optimizer(opt: torch.optim.Optimizer, tensors: dict, meta: dict):
     state: dict = {}
+
+    def put(path: str, v):
+        idx, *names = path.split("/")
+        node = state.setdefault(int(idx), {})
+        for name in names[:-1]:
+            node = node.setdefault(name, {})
+        node[names[-1]] = v
     for key, v in tensors.items():
         if key.startswith("opt/"):
-            _, idx, name = key.split("/", 2)
-            state.setdefault(int(idx), {})[name] = v
+            put(key[len("opt/"):], v)
     for key, v in meta.get("scalars", {}).items():
-        idx, name = key.split("/", 1)
-        state.setdefault(int(idx), {})[name] = v
+        put(key, v)
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 

@@ -5,6 +5,8 @@ import dataclasses
 import json
 import re
 
+from ..io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
+
 # Only these fields change what a run computes; a --resume refuses a work dir made with other values.
 _RUN_FIELDS = ("ratio", "ff_ratio", "ff_rank", "res_ratio", "budget", "uniform", "budget_by", "allocation",
                "alloc_inputs", "alloc_anchors",
@@ -93,6 +95,7 @@ class TrainConfig:
     vram_estimate: bool = False            # run the VRAM estimator before training (the CLI turns it on)
     plan: bool = False                     # print the cost plan (warm-up ETA) before training (the CLI turns it on)
     log: object = None                     # callable(str) for human messages (default: silent)
+    adapter_dtype: str = DEFAULT_FILE_DTYPE  # storage dtype of the written adapter file (training is float32)
 
     def __post_init__(self):
         if self.ratio is None and self.ff_ratio is None and self.ff_rank is None and self.res_ratio is None \
@@ -138,6 +141,8 @@ class TrainConfig:
         if unknown or not self.init_methods:
             raise ValueError(f"init_methods must be a non-empty subset of {INIT_METHODS}, got {self.init_methods}")
         self.init_methods = tuple(self.init_methods)
+        if self.adapter_dtype not in FILE_DTYPES:
+            raise ValueError(f"adapter_dtype must be one of {', '.join(FILE_DTYPES)}, got {self.adapter_dtype!r}")
         self.rank_grid = tuple(self.rank_grid)
         if self.stage2_groups != "auto" and (not isinstance(self.stage2_groups, int) or self.stage2_groups < 1):
             raise ValueError(f"stage2_groups must be 'auto' or a positive integer, got {self.stage2_groups!r}")

@@ -19,7 +19,7 @@ import time
 from typing import Mapping
 
 from .. import layout
-from ..io.adapters import AdapterSet
+from ..io.adapters import AdapterSet, file_dtype
 from ..io.files import refuse_existing
 from ..ops import fingerprint
 from .config import TrainConfig
@@ -80,12 +80,13 @@ def base_metadata(weights: Mapping, cfg: layout.UNetConfig, aset: AdapterSet, te
 def data_free(unet, cfg: layout.UNetConfig | None = None, train_cfg: TrainConfig | None = None,
               out_path=None, overwrite: bool = True) -> tuple[AdapterSet, float]:
     """The ``data-free`` recipe: adapters at the uniform ranks of ``train_cfg``'s ratio (or per-kind values) from
-    the weights alone, written to ``out_path`` (with the base fingerprint) when given, and the seconds it took;
-    ``unet`` as for :func:`~sdslim_core.train.train_adapters`; an existing ``out_path`` is refused unless
-    ``overwrite``."""
+    the weights alone, as stored in ``train_cfg.adapter_dtype`` and written to ``out_path`` (with the base
+    fingerprint) when given, and the seconds it took; ``unet`` as for :func:`~sdslim_core.train.train_adapters`; an
+    existing ``out_path`` is refused unless ``overwrite``."""
     t0 = time.perf_counter()
     weights, cfg = teacher_weights(unet, cfg)
-    aset = data_free_set(weights, cfg, train_cfg or TrainConfig())
+    tc = train_cfg or TrainConfig()
+    aset = data_free_set(weights, cfg, tc).stored_as(file_dtype(tc.adapter_dtype))
     if out_path is not None:
         refuse_existing(out_path, overwrite)
         aset.save(out_path)

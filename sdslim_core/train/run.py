@@ -16,7 +16,7 @@ import torch
 
 from . import calibration as cal, ranks as ranks_mod, report as report_mod, stage1, stage2
 from .. import layout
-from ..io.adapters import AdapterSet
+from ..io.adapters import AdapterSet, file_dtype
 from ..io.files import refuse_existing
 from .config import TrainConfig
 from .init import initialise
@@ -133,6 +133,7 @@ def execute(session: Session) -> TrainResult:
                               guidance=tc.guidance)
     final.metadata = {"sdslim.train": report_mod.train_metadata(report, session, site_err, table),
                       "sdslim.base": base_metadata(session.weights, session.cfg, final, fp["teacher"])}
+    final = final.stored_as(file_dtype(tc.adapter_dtype))       # what the file holds; the work dir keeps float32
     report.out = str(session.out_path)
     if session.topo.main:
         refuse_existing(session.out_path, session.overwrite)   # one may have appeared while training ran

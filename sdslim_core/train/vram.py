@@ -4,7 +4,10 @@ Two sources:
 
 - **analytic** (always): what is resident per stage, exactly counted from the shapes: frozen teacher weights
   (fp16 on CUDA), adapter parameters (fp32), their gradients, optimizer states (AdamW 8 B/param, bitsandbytes
-  8-bit AdamW ≈ 2 B/param), plus for stage 1 one site's data batch and activations.
+  8-bit AdamW ≈ 2 B/param), plus for stage 1 one site's data batch and activations; and the whole-UNet error
+  measured before and after stage 1 (``stage2.measure``: the teacher on the device beside the folded layers of
+  every site, a batch of 8 like calibration's teacher calls), which is stage 1's peak at full size (the first GPU
+  run: 2.93 GiB allocated for SD1.5, where one site's training needs 0.7).
 - **estimator**: the stage-2 step (full UNet with every site
   replaced, gradient checkpointing, bf16 autocast, MSE on the output, optimizer step) and the calibration
   sampling step are run on fake tensors by the VRAM estimator (:mod:`sdslim_core.vram.estimate`) with the
@@ -14,6 +17,7 @@ Two sources:
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -24,6 +28,7 @@ from ..layout.rank_policy import res_groups
 from ..modules import swap
 from ..modules.layers import set_module
 from ..modules.unet import build_diffusers_unet
+from ..ops.fold import site_keys, slim_shapes
 from ..vram import harness
 from ..vram.estimate import estimate_many
 from ..vram.settings import Settings
@@ -72,10 +77,13 @@ def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_byt
     # stage-2 groups: the first group is the peak (finished groups run folded with their teacher layers off the
     # device, later groups are plain teacher)
     s2_static = teacher + n_group * (4 + 4 + ob)
+    slim = slim_shapes(canon, {s.name: ranks[s.name] for s in site_list if s.name in ranks})
+    folded = sum(math.prod(slim[k]) for s in site_list if s.name in ranks for k in site_keys(s.name, s.kind)
+                 if k in slim) * teacher_bytes
     return {"teacher_params": n_teacher, "adapter_params": n_adapt, "stage2_group_adapter_params": n_group,
             "teacher_gib": teacher / GIB,
             "adapters_gib": n_group * 4 / GIB, "grads_gib": n_group * 4 / GIB, "optimizer_gib": n_group * ob / GIB,
-            "stage1_gib": s1 / GIB, "stage2_static_gib": s2_static / GIB}
+            "stage1_gib": s1 / GIB, "stage2_static_gib": s2_static / GIB, "folded_gib": folded / GIB}
 
 
 def _site_pixels(site: str, cfg, latent: int, cache: dict) -> int:
@@ -172,7 +180,8 @@ def estimate(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: 
     out = {}
     for r in results:
         point = next(p for p in r.points if p["batch"] == want[r.name])
-        out[r.name] = {"peak_gib": point["peak_gib"], "batch": want[r.name], "phase": point["phase"],
+        out[r.name] = {"peak_gib": point["peak_gib"], "reserved_gib": point["reserved_gib"], "batch": want[r.name],
+                       "phase": point["phase"],
                        "breakdown_gib": point["breakdown_gib"], "device_mode": r.device_mode,
                        "warnings": r.warnings}
     return out
@@ -200,10 +209,11 @@ def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: b
         result["estimator"] = est
         s2 = est["stage2"]["peak_gib"]
         cal = est["calibration"]["peak_gib"]
-        result["stages_gib"] = {"calibration": cal, "stage1": a["stage1_gib"], "stage2": s2}
-        result["peak_gib"] = max(cal, a["stage1_gib"], s2)
+        s1 = max(a["stage1_gib"], cal + a["folded_gib"])       # a site's training, or the UNet error measured
+        result["stages_gib"] = {"calibration": cal, "stage1": s1, "stage2": s2}
+        result["peak_gib"] = max(cal, s1, s2)
         result["text"] = (f"predicted peak {result['peak_gib']:.2f} GiB (stage 2 {s2:.2f}, calibration {cal:.2f}, "
-                          f"stage 1 {a['stage1_gib']:.2f}; VRAM estimator on fake tensors, fp16 teacher, "
+                          f"stage 1 {s1:.2f}; VRAM estimator on fake tensors, fp16 teacher, "
                           f"{optimizer}, latent {latent_size}², batch {tc.stage2_batch}"
                           f"{', grad ckpt' if grad_ckpt else ''}"
                           f"{f', stage 2 in groups (largest {len(train_sites)} sites)' if train_sites else ''})")

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .allocator import DEFAULT_CONTEXT_GIB
 from .fit import CurveFit, classify, fit_curve, kink_note
 from .settings import Settings, select_matrix
 
@@ -56,11 +57,18 @@ class EstimateResult:
     seconds: float = 0.0
     n_params: int = 0
     n_trainable: int = 0
+    context_gib: float = DEFAULT_CONTEXT_GIB  # the device's CUDA context: a measured input (docs/vram.md)
+
+    def device_gib(self, point: dict) -> float:
+        """What nvidia-smi shows at a point's peak: the caching allocator's modelled reserve + the context."""
+        return point["reserved_gib"] + self.context_gib
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "settings": self.settings.to_dict(), "baseline": self.baseline,
-            "points": [{k: v for k, v in p.items() if k not in ("phase_start_bytes",)} for p in self.points],
+            "context_gib": self.context_gib,
+            "points": [dict({k: v for k, v in p.items() if k not in ("phase_start_bytes",)},
+                            device_gib=self.device_gib(p)) for p in self.points],
             "intercept_gib": self.fit.intercept_gib, "slope_gib": self.fit.slope_gib,
             "plateau_gib": self.fit.plateau_gib, "kink_batch": self.fit.kink_batch,
             "fit_note": kink_note(self.fit) if not self.settings.sampling else "",
@@ -78,11 +86,13 @@ class EstimateResult:
 
     def format_text(self) -> str:
         s = self.settings
-        lines = [f"{self.name}: {s.label()}, {self.n_params:,} UNet parameters  (estimate, fake {self.device_mode})"]
+        lines = [f"{self.name}: {s.label()}, {self.n_params:,} UNet parameters  (estimate, fake {self.device_mode}; "
+                 f"device = allocator reserve + {self.context_gib:.2f} GiB CUDA context)"]
         for p in self.points:
             top = sorted(p["breakdown_gib"].items(), key=lambda kv: -kv[1])[:4]
             parts = ", ".join(f"{k} {v:.2f}" for k, v in top)
-            lines.append(f"  B={p['batch']:<3} peak {p['peak_gib']:6.2f} GiB  at {p['phase']:<6} [{parts}]")
+            lines.append(f"  B={p['batch']:<3} peak {p['peak_gib']:6.2f} GiB allocated, device {self.device_gib(p):6.2f} "
+                         f"GiB  at {p['phase']:<6} [{parts}]")
         f = self.fit
         if len(self.points) > 1:                      # a line through one point says nothing
             lines.append(f"  fit: {f.intercept_gib:.2f} + {f.slope_gib:.3f}·B GiB"
@@ -156,24 +166,26 @@ def run_worker(jobs, *, timeout=None, echo_progress=False, env=None, on_progress
     return results
 
 
-def _result(raw, settings, baseline="") -> EstimateResult:
+def _result(raw, settings, baseline="", context_gib=None) -> EstimateResult:
     if "error" in raw:
         raise RuntimeError(f"estimate {raw['name']!r} failed: {raw['error']}")
     return EstimateResult(name=raw["name"], settings=settings, points=raw["points"], fit=fit_curve(raw["points"]),
                           device_mode=raw["device_mode"], warnings=raw["warnings"], baseline=baseline,
-                          seconds=raw["seconds"], n_params=raw["n_params"], n_trainable=raw["n_trainable"])
+                          seconds=raw["seconds"], n_params=raw["n_params"], n_trainable=raw["n_trainable"],
+                          context_gib=DEFAULT_CONTEXT_GIB if context_gib is None else context_gib)
 
 
-def estimate(settings: Settings, batch_sizes=(1, 2, 4, 8), **worker_kw) -> EstimateResult:
-    """Estimated peak VRAM of one training (or sampling) step per batch size."""
-    return _result(run_worker([("estimate", settings, batch_sizes)], **worker_kw)[0], settings)
+def estimate(settings: Settings, batch_sizes=(1, 2, 4, 8), context_gib=None, **worker_kw) -> EstimateResult:
+    """Estimated peak VRAM of one training (or sampling) step per batch size (``context_gib``: the device's CUDA
+    context for the device peak; default :data:`~.allocator.DEFAULT_CONTEXT_GIB`)."""
+    return _result(run_worker([("estimate", settings, batch_sizes)], **worker_kw)[0], settings, "", context_gib)
 
 
-def estimate_many(entries, batch_sizes=(1, 2, 4, 8), **worker_kw) -> list:
+def estimate_many(entries, batch_sizes=(1, 2, 4, 8), context_gib=None, **worker_kw) -> list:
     """``[(name, Settings, baseline_name[, batch_sizes])]`` -> [EstimateResult] from one worker process,
     each classified against its baseline's fit (when both have two or more batch sizes)."""
     raws = run_worker([(e[0], e[1], e[3] if len(e) > 3 else batch_sizes) for e in entries], **worker_kw)
-    results = [_result(r, e[1], e[2]) for r, e in zip(raws, entries)]
+    results = [_result(r, e[1], e[2], context_gib) for r, e in zip(raws, entries)]
     by_name = {r.name: r for r in results}
     for r in results:
         base = by_name.get(r.baseline)
@@ -182,12 +194,12 @@ def estimate_many(entries, batch_sizes=(1, 2, 4, 8), **worker_kw) -> list:
     return results
 
 
-def estimate_matrix(spec="all", batch_sizes=(1, 2, 4, 8), **worker_kw) -> list:
+def estimate_matrix(spec="all", batch_sizes=(1, 2, 4, 8), context_gib=None, **worker_kw) -> list:
     """The seed study's matrix (see ``settings.MATRIX``) on fake tensors."""
-    return estimate_many(select_matrix(spec), batch_sizes, **worker_kw)
+    return estimate_many(select_matrix(spec), batch_sizes, context_gib, **worker_kw)
 
 
-def estimate_sampling(settings: Settings, batch_sizes=(1,), **worker_kw) -> list:
+def estimate_sampling(settings: Settings, batch_sizes=(1,), context_gib=None, **worker_kw) -> list:
     """Sampling peak of the original UNet and, when ``settings.slim_ratio`` is set, of the slim one (of a slim
     checkpoint's ``settings.slim_ranks``: that slim UNet alone)."""
     from dataclasses import replace
@@ -195,4 +207,4 @@ def estimate_sampling(settings: Settings, batch_sizes=(1,), **worker_kw) -> list
     jobs = [(first, replace(settings, sampling=True, slim_ratio=0.0), first)]
     if settings.slim_ratio:
         jobs.append((f"slim-{settings.slim_ratio:g}", replace(settings, sampling=True), "original"))
-    return estimate_many(jobs, batch_sizes, **worker_kw)
+    return estimate_many(jobs, batch_sizes, context_gib, **worker_kw)

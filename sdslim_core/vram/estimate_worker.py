@@ -28,11 +28,12 @@ def _real_bnb():
     return bitsandbytes
 
 
-def _point(batch, tracker):
+def _point(batch, tracker, reserve):
     gib = lambda d: {k: v / GIB for k, v in d.items() if v}  # noqa: E731
     peaks = tracker.phase_peak
     line = max((peaks[p] for p in ("data", "fwd", "bwd", "sample") if p in peaks), default=0)
     return {
+        "reserved_gib": reserve["reserved"] / GIB,
         "batch": batch,
         "peak_gib": tracker.peak / GIB,
         "phase": tracker.peak_phase,
@@ -52,7 +53,8 @@ def run_job(job, device):
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     from sdslim_core.vram import harness
-    from sdslim_core.vram.tracker import LiveTracker
+    from sdslim_core.vram.allocator import step_reserve
+    from sdslim_core.vram.tracker import AllocationTrace, LiveTracker
 
     settings = Settings.from_dict(job["settings"])
     warnings = [device.note] if device.note else []
@@ -62,7 +64,8 @@ def run_job(job, device):
     bnb = _real_bnb() if settings.optimizer == "adamw8bit" and not settings.sampling else None
     fake = FakeTensorMode(allow_non_fake_inputs=bnb is not None)  # bnb moves real quantisation maps
     started = time.perf_counter()
-    with fake, torch.device(device.type):
+    trace = AllocationTrace()          # the build's allocations too: the caching allocator's model replays them
+    with fake, torch.device(device.type), LiveTracker(device.type, trace):
         model = harness.build_model(settings)
         if settings.sampling:
             harness.prepare_sampling(model, settings, fakecuda.xformers_attention)
@@ -73,11 +76,13 @@ def run_job(job, device):
                 optimizer = harness.make_optimizer(trainable, settings, bnb)
             harness.warm_optimizer(optimizer, trainable)
         resident = harness.resident_frozen(settings, device.type) if settings.resident_te_vae else []
+    setup = list(trace.events)
     if bnb is not None:
         warnings.append(f"AdamW8bit: real bitsandbytes {getattr(bnb, '__version__', '')} states")
     points = []
     for batch in job["batch_sizes"]:
-        tracker = LiveTracker(device.type)
+        tracker = LiveTracker(device.type, trace)
+        start = len(trace.events)
         with fake:
             tracker.track_module(model)
             for t in resident:
@@ -92,7 +97,7 @@ def run_job(job, device):
                     harness.train_step(model, optimizer, trainable, settings, batch, device.type, tracker.set_phase)
             for h in hooks:
                 h.remove()
-        points.append(_point(batch, tracker))
+        points.append(_point(batch, tracker, step_reserve(setup, trace.events[start:])))
         print(f"  {job['name']}: B={batch} peak {points[-1]['peak_gib']:.2f} GiB ({points[-1]['phase']})",
               file=sys.stderr, flush=True)
     return {"name": job["name"], "settings": settings.to_dict(), "device": device.type, "device_mode": device.mode,

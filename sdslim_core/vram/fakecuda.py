@@ -85,7 +85,7 @@ def build_shim() -> str:
            f"-I{include}", SHIM_SRC, f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
            f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)   # a hang guard: minutes on a busy box
         if proc.returncode:
             raise RuntimeError(f"building the shim failed: {proc.stderr.strip()[-600:]}")
         os.replace(tmp, lib)  # atomic: concurrent workers never load a half-written file

@@ -71,6 +71,19 @@ def _nvml_process_bytes(handle):
     return sum(used) if used else None
 
 
+def device_used(index: int = 0):
+    """Bytes used on CUDA device ``index`` by all processes (NVML, what nvidia-smi shows; torch's
+    ``mem_get_info`` once this process has a context), None when neither can be read without creating one."""
+    handle = _nvml_index(index)
+    if handle is not None:
+        import pynvml
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        free, total = torch.cuda.mem_get_info(index)
+        return total - free
+    return None
+
+
 def _ram():
     import psutil
     vm = psutil.virtual_memory()
@@ -127,8 +140,9 @@ def memory_report(device=None) -> MemoryReport:
                            reserved_bytes=torch.mps.driver_allocated_memory(), **common)
         rep.notes.append("MPS shares system RAM; torch has no peak counters on MPS")
         return rep
-    if device.type != "cuda":
-        raise ValueError(f"unsupported device {device}")
+    if device.type != "cuda":       # XPU, DirectML and others: no counters sdslim reads; RAM only, said so
+        return MemoryReport(str(device), device.type.upper(), "psutil",
+                            notes=[f"no memory counters for {device.type} devices here: RAM only"], **common)
     rep = MemoryReport(str(device), "", "nvml", **common)
     handle = _nvml_index(device.index)
     if handle is not None:
@@ -229,11 +243,16 @@ class measure_peak:  # noqa: N801  (used as a context manager, like torch.no_gra
         if note:
             self.result.notes.append(note)
         self._thread = None
+        self._poll = poll
         if poll is not None:
             self.result.device_start_used_bytes = self._peak = poll()
             self._thread = threading.Thread(target=self._run, args=(poll,), daemon=True)
             self._thread.start()
         return self
+
+    def poll_now(self):
+        """The polled quantity now (whole-device bytes used, or RSS), None without a source."""
+        return None if self._poll is None else self._poll()
 
     def __exit__(self, *exc):
         cuda = self.device.type == "cuda" and torch.cuda.is_initialized()

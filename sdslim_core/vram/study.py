@@ -1,9 +1,12 @@
 """The training-VRAM study on a real GPU (the seed's harness): random latents, text encoder frozen,
-no VAE, ``steps`` training steps per batch size, one setting changed at a time.
+no VAE, ``steps`` training steps per batch size, one setting changed at a time. A setting is built once (its
+optimizer states made up front, as the estimator makes them) and each batch size starts from an emptied cache.
 
 Per point it records torch's allocated/reserved peaks per phase (outside vs inside the optimizer
 step, so the curve fits as ``max(plateau, a + b·B)`` like the estimate) and the whole-device peak
-polled from NVML, which is what the seed read from nvidia-smi.
+polled from NVML, which is what the seed read from nvidia-smi (and NVML's reading at the end of the steps: the
+reserve only grows until the next ``empty_cache``, so that reading is the point's peak whatever the polling
+caught).
 
 On ``device="cpu"`` (the GPU suite's dry run) the same steps run on real CPU tensors and the allocated
 peak is the live-storage count of :class:`~sdslim_core.vram.tracker.LiveTracker` (there is no caching
@@ -60,7 +63,7 @@ class _PhasePeaks:
     def reset(self):
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def watch(self, unet, resident):
+    def watch(self, unet, resident, optimizer):
         return contextlib.nullcontext()
 
 
@@ -77,58 +80,89 @@ class _LivePeaks:
     def reset(self):
         pass
 
-    def watch(self, unet, resident):
+    def watch(self, unet, resident, optimizer):
         self.tracker.track_module(unet)
         for t in resident:
             self.tracker.track(t, "te_vae")
+        if optimizer is not None:
+            self.tracker.tag_optimizer_state(optimizer)
         return self.tracker
 
 
-def measure_point(settings, batch, steps, device):
-    """Build, train ``steps`` steps at ``batch`` and return the point's dict (raises on OOM)."""
-    xformers_fn = None
-    if settings.attention == "xformers":
-        import xformers.ops
-        xformers_fn = xformers.ops.memory_efficient_attention
-    bnb = None
-    if settings.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-    cuda = device.type == "cuda"
-    peaks = _PhasePeaks(device) if cuda else _LivePeaks(device)
-    with measure_peak(device) as monitor:
-        peaks.reset()
+class _Setting:
+    """One setting on the device, built once: the model, its optimizer warmed as the estimator warms it (states
+    made by one step on zero gradients) and the resident stand-ins; each :meth:`point` starts from an emptied
+    cache, so every batch size is measured as a fresh run of that setting would be."""
+
+    def __init__(self, settings, device):
+        self.settings, self.device = settings, device
+        xformers_fn = bnb = None
+        if settings.attention == "xformers":
+            import xformers.ops
+            xformers_fn = xformers.ops.memory_efficient_attention
+        if settings.optimizer == "adamw8bit" and not settings.sampling:
+            import bitsandbytes as bnb
         with torch.device(device):
-            unet = harness.build_model(settings)
-            trainable = harness.prepare_training(unet, settings, xformers_fn)
-            optimizer = harness.make_optimizer(trainable, settings, bnb)
-            resident = harness.resident_frozen(settings, device) if settings.resident_te_vae else []
-        t0 = time.perf_counter()
-        with peaks.watch(unet, resident):
-            for _ in range(steps):
-                harness.train_step(unet, optimizer, trainable, settings, batch, device, peaks)
+            self.unet = harness.build_model(settings)
+            if settings.sampling:
+                harness.prepare_sampling(self.unet, settings, xformers_fn)
+                self.trainable, self.optimizer = [], None
+            else:
+                self.trainable = harness.prepare_training(self.unet, settings, xformers_fn)
+                self.optimizer = harness.make_optimizer(self.trainable, settings, bnb)
+                harness.warm_optimizer(self.optimizer, self.trainable)
+            self.resident = harness.resident_frozen(settings, device) if settings.resident_te_vae else []
+
+    def point(self, batch, steps):
+        """Run ``steps`` steps at ``batch`` and return the point's dict (raises on OOM)."""
+        device, cuda = self.device, self.device.type == "cuda"
+        gc.collect()
         if cuda:
             torch.cuda.synchronize(device)
-        seconds = (time.perf_counter() - t0) / steps
-        peaks("done")
-    del unet, optimizer, trainable, resident
-    phase_alloc = {k: v for k, v in peaks.allocated.items() if k not in ("build", "init", "idle", "done")}
-    top = max(phase_alloc, key=phase_alloc.get)
-    line = max(phase_alloc.get(p, 0) for p in ("data", "fwd", "bwd"))
-    r = monitor.result
-    return {
-        "batch": batch, "peak_gib": phase_alloc[top] / GIB, "phase": top, "line_gib": line / GIB,
-        "plateau_gib": phase_alloc.get("opt", 0) / GIB,
-        "reserved_gib": max(peaks.reserved.values()) / GIB if peaks.reserved else None,
-        "nvml_peak_gib": None if r.device_peak_used_bytes is None else r.device_peak_used_bytes / GIB,
-        "nvml_start_gib": None if r.device_start_used_bytes is None else r.device_start_used_bytes / GIB,
-        "device_peak_source": r.source,
-        "phase_peaks_gib": {k: v / GIB for k, v in phase_alloc.items()},
-        "step_seconds": seconds,
-    }
+            torch.cuda.empty_cache()
+        peaks = _PhasePeaks(device) if cuda else _LivePeaks(device)
+        with measure_peak(device) as monitor:
+            peaks.reset()
+            t0 = time.perf_counter()
+            with peaks.watch(self.unet, self.resident, self.optimizer):
+                for _ in range(steps):
+                    if self.settings.sampling:
+                        harness.sampling_step(self.unet, self.settings, batch, device, peaks)
+                    else:
+                        harness.train_step(self.unet, self.optimizer, self.trainable, self.settings, batch, device,
+                                           peaks)
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds = (time.perf_counter() - t0) / steps
+            peaks("done")
+            end_used = monitor.poll_now()
+        phase_alloc = {k: v for k, v in peaks.allocated.items() if k not in ("build", "init", "idle", "done")}
+        top = max(phase_alloc, key=phase_alloc.get)
+        line = max(phase_alloc.get(p, 0) for p in ("data", "fwd", "bwd", "sample"))
+        r = monitor.result
+        return {
+            "batch": batch, "peak_gib": phase_alloc[top] / GIB, "phase": top, "line_gib": line / GIB,
+            "plateau_gib": phase_alloc.get("opt", 0) / GIB if not self.settings.sampling else None,
+            "reserved_gib": max(peaks.reserved.values()) / GIB if peaks.reserved else None,
+            "nvml_peak_gib": None if r.device_peak_used_bytes is None else r.device_peak_used_bytes / GIB,
+            "nvml_end_gib": None if end_used is None else end_used / GIB,
+            "nvml_start_gib": None if r.device_start_used_bytes is None else r.device_start_used_bytes / GIB,
+            "device_peak_source": r.source, "nvml_samples": r.samples,
+            "phase_peaks_gib": {k: v / GIB for k, v in phase_alloc.items()},
+            "step_seconds": seconds,
+        }
 
 
-def run_study(entries, batch_sizes, steps=20, device="cuda", log=print):
-    """``entries``: [(name, Settings, baseline)]; returns curve dicts (name, baseline, settings, points).
+def measure_point(settings, batch, steps, device):
+    """One point of ``settings`` on a model built for it alone (raises on OOM)."""
+    return _Setting(settings, torch.device(device)).point(batch, steps)
+
+
+def run_study(entries, batch_sizes, steps=20, device="cuda", log=print, stop=None, on_point=None):
+    """``entries``: [(name, Settings, baseline)]; returns curve dicts (name, baseline, settings, points). Each
+    setting is built once and measured at every batch size (``batch_sizes``: a sequence, or a function of the
+    setting's name), ascending, until one runs out of memory. ``stop(name, batch, curve)`` returning True ends a
+    setting's sweep early (it should note why in ``curve["notes"]``); ``on_point(curves)`` after every point.
     ``device="cpu"`` runs the same steps on the CPU (a structural check: see the module docstring)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -146,19 +180,24 @@ def run_study(entries, batch_sizes, steps=20, device="cuda", log=print):
             curve["notes"].append(f"skipped: {reason}")
             log(f"{name}: skipped ({reason})")
             continue
-        for batch in batch_sizes:
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+        setting = None
+        for batch in (batch_sizes(name) if callable(batch_sizes) else batch_sizes):
+            if stop is not None and stop(name, batch, curve):
+                break
             try:
-                point = measure_point(settings, batch, steps, device)
+                setting = setting or _Setting(settings, device)
+                point = setting.point(batch, steps)
             except torch.cuda.OutOfMemoryError:
                 curve["notes"].append(f"out of memory at B={batch}")
                 log(f"{name}: B={batch} out of memory; skipping larger batches")
                 break
             curve["points"].append(point)
             log(f"{name}: B={batch} torch peak {point['peak_gib']:.2f} GiB ({point['phase']}), reserved "
-                f"{point['reserved_gib'] or float('nan'):.2f}, device {point['nvml_peak_gib'] or float('nan'):.2f} GiB")
+                f"{point['reserved_gib'] or float('nan'):.2f}, device {point['nvml_end_gib'] or float('nan'):.2f} GiB "
+                f"({point['step_seconds']:.2f} s/step)")
+            if on_point is not None:
+                on_point(curves)
+        del setting
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ Each storage an op returns is counted once, rounded up to 512 B (the CUDA cachin
 smallest block), and subtracted by a weakref callback when it dies. Storages are tagged with a
 category when first seen (by phase: fwd -> "act", bwd -> "bwd_tmp", opt -> "opt_tmp") and re-tagged
 for gradients and optimizer states. The peak, the per-phase peaks and the category breakdown at
-the peak are kept.
+the peak are kept. With an :class:`AllocationTrace`, every storage's creation and death is also recorded in order
+(what ``allocator.step_reserve`` replays to model the caching allocator's reserve).
 """
 import math
 import weakref
@@ -24,10 +25,32 @@ def rounded(nbytes: int) -> int:
     return math.ceil(nbytes / ROUND) * ROUND
 
 
+class AllocationTrace:
+    """Storage births and deaths in order, shared by the trackers of one process: ``events`` holds
+    ``(+1, key, bytes)`` and ``(-1, key)``; a storage keeps its key across trackers."""
+
+    def __init__(self):
+        self.events = []
+        self._keys = WeakIdKeyDictionary()
+        self._next = 0
+
+    def born(self, storage, nbytes: int) -> int:
+        key = self._keys.get(storage)
+        if key is None:
+            key = self._keys[storage] = self._next
+            self._next += 1
+            self.events.append((1, key, nbytes))
+        return key
+
+    def died(self, key: int):
+        self.events.append((-1, key))
+
+
 class LiveTracker(TorchDispatchMode):
-    def __init__(self, device_type: str = "cuda"):
+    def __init__(self, device_type: str = "cuda", trace: AllocationTrace | None = None):
         super().__init__()
         self.device_type = device_type
+        self.trace = trace
         self._seen = WeakIdKeyDictionary()  # storage -> (record, weakref keeping the callback alive)
         self.by_cat = defaultdict(int)
         self.current = 0
@@ -42,6 +65,8 @@ class LiveTracker(TorchDispatchMode):
     def _free(self, record):
         self.current -= record[0]
         self.by_cat[record[1]] -= record[0]
+        if self.trace is not None:
+            self.trace.died(record[2])
 
     def track(self, t, category: str, op: str = None):
         """Count ``t``'s storage under ``category`` unless it is already counted."""
@@ -51,6 +76,8 @@ class LiveTracker(TorchDispatchMode):
         if storage in self._seen:
             return
         record = [rounded(storage.nbytes()), category]
+        if self.trace is not None:
+            record.append(self.trace.born(storage, storage.nbytes()))
         self._seen[storage] = (record, weakref.ref(storage, lambda _r, rec=record: self._free(rec)))
         self.current += record[0]
         self.by_cat[category] += record[0]

@@ -16,10 +16,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def get(url: str, timeout: float = 30):
+def get(url: str, timeout: float = HANG_GUARD_S):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.load(r)
 
@@ -31,7 +33,8 @@ def _free_port() -> int:
 
 
 class ComfyServer:
-    def __init__(self, folder: Path, yaml_entries: dict | None = None, args=(), start_timeout: float = 240):
+    def __init__(self, folder: Path, yaml_entries: dict | None = None, args=(),
+                 start_timeout: float = HANG_GUARD_S):
         self.folder = Path(folder)
         (self.folder / "custom_nodes").mkdir(parents=True, exist_ok=True)
         (self.folder / "custom_nodes" / "sdslim").symlink_to(ROOT)
@@ -84,10 +87,10 @@ class ComfyServer:
         body = {"prompt": prompt} | ({"client_id": client_id} if client_id else {})
         req = urllib.request.Request(self.base + "/prompt", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=HANG_GUARD_S) as r:
             return json.load(r)["prompt_id"]
 
-    def wait(self, prompt_id: str, timeout: float = 300) -> dict:
+    def wait(self, prompt_id: str, timeout: float = HANG_GUARD_S) -> dict:
         """The /history entry of ``prompt_id`` once it has run."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -100,7 +103,7 @@ class ComfyServer:
     def close(self):
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=HANG_GUARD_S)
         finally:
             self._log.close()
 

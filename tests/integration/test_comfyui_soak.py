@@ -24,6 +24,8 @@ import re
 
 import pytest
 
+from conftest import HANG_GUARD_S
+
 COMFY = os.environ.get("COMFYUI_PATH")
 pytestmark = pytest.mark.skipif(not COMFY or os.environ.get("COMFYUI_SOAK") != "1",
                                 reason="set COMFYUI_PATH and COMFYUI_SOAK=1 to run the ComfyUI soak")
@@ -143,7 +145,7 @@ async def _client(server, name: str, settings: list, seeds: list) -> tuple[list,
                     ids.append((await r.json())["prompt_id"])
             heard, done = set(), set()
             while done != set(ids):
-                msg = await ws.receive(timeout=600)
+                msg = await ws.receive(timeout=HANG_GUARD_S)
                 if msg.type != aiohttp.WSMsgType.TEXT:
                     assert msg.type == aiohttp.WSMsgType.BINARY, msg      # previews
                     continue

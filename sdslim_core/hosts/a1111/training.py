@@ -19,6 +19,7 @@ import os
 import torch
 
 from ... import layout
+from ...io.adapters import DEFAULT_FILE_DTYPE, FILE_DTYPES
 from ...train import Calibration, recipes
 from ...train.calibration import SDXL_TIME_EMBEDS, sdxl_time_ids
 from ...train.config import parse_budget
@@ -51,6 +52,7 @@ class TrainForm:
     filename: str
     recipe: str = recipes.DEFAULT_RECIPE
     start_from: str | None = None   # an adapter file name in models/sdslim (refit for a derivative), or None
+    adapter_dtype: str = DEFAULT_FILE_DTYPE   # the adapter file's storage dtype (training runs in float32)
 
     def start_path(self, adapter_dir: str) -> str | None:
         """The ``start_from`` file in ``adapter_dir`` (a clear error when it is gone), or None."""
@@ -77,6 +79,7 @@ class TrainForm:
                "teacher_dtype": _TEACHER_DTYPES.get(unet_dtype, "auto")}
         out.update({"budget": self.budget} if self.budget else {"ratio": self.ratio})
         out.update(recipes.host_overrides(self.recipe, self.steps, self.start_path(adapter_dir)))
+        out["adapter_dtype"] = self.adapter_dtype
         return out
 
 
@@ -95,13 +98,18 @@ NO_START = "(none)"                     # the "start from adapters" choice of a 
 
 
 def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, seed, filename: str,
-               recipe: str = recipes.DEFAULT_RECIPE, start_from: str = NO_START) -> TrainForm:
+               recipe: str = recipes.DEFAULT_RECIPE, start_from: str = NO_START,
+               adapter_dtype: str = DEFAULT_FILE_DTYPE) -> TrainForm:
     """The tab's values as a :class:`TrainForm`; a clear ValueError naming the field that is wrong."""
     lines = tuple(p.strip() for p in (prompts or "").splitlines() if p.strip())
     recipe = recipe or recipes.DEFAULT_RECIPE
     if recipe not in recipes.RECIPES:
         raise ValueError(f"SD Slim training: recipe must be one of {', '.join(recipes.RECIPES)}, got {recipe!r}")
     start_from = None if start_from in (None, "", NO_START) else str(start_from)
+    adapter_dtype = adapter_dtype or DEFAULT_FILE_DTYPE
+    if adapter_dtype not in FILE_DTYPES:
+        raise ValueError(f"SD Slim training: adapter file dtype must be one of {', '.join(FILE_DTYPES)}, got "
+                         f"{adapter_dtype!r}")
     if recipe == "data-free" and (start_from or (budget or "").strip()):
         raise ValueError("SD Slim training: the data-free recipe takes a ratio only (no budget, no start from "
                          "adapters): it measures nothing")
@@ -126,7 +134,7 @@ def parse_form(prompts: str, negative: str, ratio, budget: str, steps, size, see
         raise ValueError(f"SD Slim training: size must be 0 (the model's native size) or a multiple of {SIZE_STEP} "
                          f"pixels, got {size}")
     form = TrainForm(lines, (negative or "").strip(), ratio, budget, _whole(steps, "steps", 0), size,
-                     _whole(seed, "seed", 0), (filename or "").strip(), recipe, start_from)
+                     _whole(seed, "seed", 0), (filename or "").strip(), recipe, start_from, adapter_dtype)
     train_paths.adapter_output("models/sdslim", form.filename)     # the name's own check
     return form
 

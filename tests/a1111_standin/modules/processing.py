@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from modules import infotext_utils, scripts, sd_models, shared
+from modules import devices, infotext_utils, scripts, sd_models, shared
 
 _LORA_TAG = re.compile(r"<lora:([^:>]+):([^>]+)>")
 
@@ -76,7 +76,7 @@ class StableDiffusionProcessing:
     def standin_denoise(self, x, conditioning):
         """One UNet call standing in for a sampler pass; the output is recorded for the tests."""
         unet = self.sd_model.model.diffusion_model
-        t = torch.full((x.shape[0],), 500, dtype=torch.long)
+        t = torch.full((x.shape[0],), 500, dtype=torch.long, device=x.device)
         with torch.no_grad():
             out = unet(x, t, context=conditioning)
         self.standin_outputs.append(out)
@@ -90,9 +90,11 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
     hr_checkpoint_info: Any = None
 
     def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
-        g = torch.Generator().manual_seed(int(seeds[0]))
+        g = torch.Generator().manual_seed(int(seeds[0]))          # the webui's CPU noise, moved to its device
         dtype = next(self.sd_model.model.diffusion_model.parameters()).dtype
-        x = torch.randn((len(seeds), 4, self.height // 8, self.width // 8), generator=g).to(dtype)
+        x = torch.randn((len(seeds), 4, self.height // 8, self.width // 8), generator=g).to(devices.device, dtype)
+        if isinstance(conditioning, torch.Tensor):
+            conditioning = conditioning.to(devices.device)
         if hasattr(self.scripts, "process_before_every_sampling"):   # absent before webui 1.10
             self.scripts.process_before_every_sampling(self, x=x, noise=x, c=conditioning,
                                                        uc=unconditional_conditioning)

@@ -1,0 +1,63 @@
+"""Which settings train within a device of a given size (an 8 GB card), by the predicted whole-device peak.
+
+The predicted device peak of a phase is the VRAM estimator's caching-allocator reserve (``vram/allocator.py``)
+plus the CUDA context (a measured, per-device input: ``vram.allocator.DEFAULT_CONTEXT_GIB`` unless given). Stage 2
+is the knob: training its sites in more groups keeps fewer adapters (with their gradients and optimizer states)
+on the device at once. The estimator runs once, with every site in one group; a split into ``g`` groups lowers
+stage 2's peak by the adapter bytes of the sites outside the largest group (:func:`stage2.largest_group`).
+Calibration (the teacher sampling 4 trajectories with CFG at once) and stage 1 (one site) have no such knob.
+"""
+from __future__ import annotations
+
+from .. import optional
+from ..vram.allocator import DEFAULT_CONTEXT_GIB
+from .ranks import adapter_param_count
+from .stage2 import largest_group
+from .vram import optimizer_bytes_per_param, predict
+
+GIB = 2 ** 30
+MAX_GROUPS = 8
+
+
+def cuda_optimizer() -> str:
+    """The optimizer a CUDA run uses by default here: 8-bit AdamW when bitsandbytes imports, else AdamW."""
+    return "adamw" if optional.missing("bitsandbytes", "8-bit AdamW") else "adamw8bit"
+
+
+def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float | None = None,
+               optimizer: str | None = None) -> dict:
+    """The fewest stage-2 groups (up to :data:`MAX_GROUPS`) whose predicted device peak fits ``device_gib``, with
+    each phase's predicted device peak; ``groups`` is None when no split fits (the text says which phase is over)."""
+    context = DEFAULT_CONTEXT_GIB if context_gib is None else context_gib
+    optimizer = optimizer or (session.optimizer_name if session.device.type == "cuda" else cuda_optimizer())
+    info = predict(session.cfg, ranks, session.tc, session.latent_size, optimizer, grad_ckpt=True)
+    if info.get("peak_gib") is None:
+        return {"device_gib": device_gib, "context_gib": context, "groups": None,
+                "text": f"{device_gib:g} GB check: {info['text']}"}
+    est = info["estimator"]
+    stage2_all = est["stage2"]["reserved_gib"] + context
+    calibration = est["calibration"]["reserved_gib"] + context
+    stage1 = info["stages_gib"]["stage1"] + context
+    per_param = 4 + 4 + optimizer_bytes_per_param(optimizer)
+    everything = adapter_param_count(session.site_list, ranks)
+    by_groups = {}
+    for g in range(1, MAX_GROUPS + 1):
+        group = largest_group(session, ranks, g)
+        kept = adapter_param_count([s for s in session.site_list if s.name in group], ranks)
+        by_groups[g] = stage2_all - (everything - kept) * per_param / GIB
+    fixed = max(calibration, stage1)
+    groups = next((g for g, v in by_groups.items() if max(v, fixed) <= device_gib), None)
+    what = (f"predicted device peak (allocator reserve + {context:.2f} GiB CUDA context; {optimizer}, grad ckpt, "
+            f"batch {session.tc.stage2_batch}): calibration {calibration:.2f}, stage 1 {stage1:.2f}, stage 2 "
+            + ", ".join(f"{g} group{'s' if g > 1 else ''} {v:.2f}" for g, v in list(by_groups.items())[:4]) + " GiB")
+    if groups is not None:
+        verdict = f"fits {device_gib:g} GiB with --stage2-groups {groups}"
+    elif fixed > device_gib:
+        verdict = (f"does not fit {device_gib:g} GiB: {'calibration' if calibration >= stage1 else 'stage 1'} alone "
+                   f"needs {fixed:.2f} GiB")
+    else:
+        verdict = f"does not fit {device_gib:g} GiB with up to {MAX_GROUPS} stage-2 groups"
+    return {"device_gib": device_gib, "context_gib": context, "optimizer": optimizer, "groups": groups,
+            "calibration_gib": calibration, "stage1_gib": stage1, "stage2_gib_by_groups": by_groups,
+            "allocated": {"calibration": est["calibration"]["peak_gib"], "stage2_all": est["stage2"]["peak_gib"]},
+            "text": f"{verdict}; {what}"}

@@ -41,15 +41,20 @@ def breakdown_text(patcher, label: str = "model") -> str:
 
 
 def device_lines(mm, torch) -> list[str]:
-    """Device, total/free memory and torch's allocator counters; on CPU says there is no VRAM."""
+    """Device, total/free memory and torch's allocator counters (CUDA's); on CPU says there is no VRAM; another
+    accelerator (MPS, XPU, DirectML) shows ComfyUI's own memory figures for it."""
     dev = mm.get_torch_device()
     name = mm.get_torch_device_name(dev)
     total, free = mm.get_total_memory(dev), mm.get_free_memory(dev)
-    if getattr(dev, "type", "cpu") == "cuda":
+    kind = getattr(dev, "type", "cpu")
+    if kind == "cuda":
         return [f"device: {name}",
                 f"VRAM total {format_bytes(total)}, free {format_bytes(free)} (torch cache counted as free)",
                 f"torch allocated {format_bytes(torch.cuda.memory_allocated(dev))}, "
                 f"reserved {format_bytes(torch.cuda.memory_reserved(dev))}"]
+    if kind != "cpu":
+        return [f"device: {name}", f"memory total {format_bytes(total)}, free {format_bytes(free)} (as ComfyUI "
+                                   f"counts it for {kind}; torch's allocator counters are shown for CUDA only)"]
     lines = [f"device: {name}", "CPU only: no GPU, VRAM n/a; system RAM is shown instead",
              f"RAM total {format_bytes(total)}, available {format_bytes(free)}"]
     rss = _rss()
@@ -82,7 +87,8 @@ def sampling_lines(record: dict) -> list[str]:
     if "peak_allocated" in record:
         return [head, f"  peak allocated {format_bytes(record['peak_allocated'])}, "
                       f"peak reserved {format_bytes(record['peak_reserved'])}"]
-    return [head, f"  CPU: no VRAM peak; process RSS after sampling {format_bytes(record.get('rss_after'))}"]
+    where = "CPU" if record["device"] == "cpu" else record["device"]
+    return [head, f"  {where}: no VRAM peak; process RSS after sampling {format_bytes(record.get('rss_after'))}"]
 
 
 def unet_config(patcher, shapes: dict) -> layout.UNetConfig:

@@ -2,17 +2,19 @@
 Load Slim Checkpoint and Load Slim GGUF read, from inside ComfyUI.
 
 Both go ComfyUI's way: ``comfy.model_management.load_models_gpu(..., force_patch_weights=True)`` puts every patch
-(LoRAs after Slim UNet are already in slim space) into the weights, as ComfyUI's own *Save Checkpoint* does; the
-checkpoint has ComfyUI's key names for the UNet, CLIP and VAE (``state_dict_for_saving``, as ``comfy.sd.
-save_checkpoint``) with the slim model's ``sdslim.*`` record as metadata, streamed tensor by tensor in the storage
-dtype chosen (:func:`storage_dtypes`: by default the source's, not the dtype ComfyUI computes in); the GGUF file is
-sdslim's writer (``io.gguf.write_unet``: the UNet only, bare LDM names, as ComfyUI-GGUF loads). Either is written to
-a temporary file that replaces the target only when complete, and an existing file is replaced only when asked. By
-default no adapter tensors are written: the file records the adapter file's sha256 and a later LoRA finds it
-(``embed_adapters``: stored as fp16, Q8_0 in GGUF).
+(LoRAs after Slim UNet are already in slim space) into the weights, as ComfyUI's own *Save Checkpoint* does, and
+what that loaded is unloaded again once the file is written (:func:`patched`: saving never changes what a MODEL
+computes afterwards); the checkpoint has ComfyUI's key names for the UNet, CLIP and VAE (``state_dict_for_saving``,
+as ``comfy.sd.save_checkpoint``) with the slim model's ``sdslim.*`` record as metadata, streamed tensor by tensor in
+the storage dtype chosen (:func:`storage_dtypes`: by default the source's, not the dtype ComfyUI computes in); the
+GGUF file is sdslim's writer (``io.gguf.write_unet``: the UNet only, bare LDM names, as ComfyUI-GGUF loads).
+Either is written to a temporary file that replaces the target only when complete, and an existing file is replaced
+only when asked. By default no adapter tensors are written: the file records the adapter file's sha256 and a later
+LoRA finds it (``embed_adapters``: stored as fp16, Q8_0 in GGUF).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -106,18 +108,37 @@ def storage_dtypes(choice: str, source):
     return matrices, matrices if matrices.itemsize == 2 else torch.float16
 
 
-def _saved_state(model, clip, vae) -> dict:
-    """Every tensor of the checkpoint under ComfyUI's names, patches merged (what ``comfy.sd.save_checkpoint``
-    writes)."""
+@contextlib.contextmanager
+def patched(model, clip=None):
+    """Within the block, ``model`` (and ``clip``'s model) are loaded with every patch in their weights, as ComfyUI's
+    Save Checkpoint loads them (``load_models_gpu(..., force_patch_weights=True)``); afterwards each model this added
+    to ComfyUI's loaded models is unloaded as ComfyUI unloads one (``LoadedModel.model_unload``: weights restored
+    from their backups and back on the offload device, the load marks on the modules cleared). A model loaded
+    before stays loaded.
+
+    ComfyUI's own Save Checkpoint leaves its model loaded, every module of the BaseModel its clones share marked as
+    patched (``comfy_patched_weights``): a clone then patched by ``patch_model()`` rather than ComfyUI's loader
+    (which detaches the loaded clone first) skips every module and computes without its own patches (a LoRA added
+    after the save does nothing). After :func:`patched` the models compute what they computed before."""
+    mm = comfy.model_management
+    before = list(mm.current_loaded_models)
+    try:
+        mm.load_models_gpu([model] + ([clip.load_model()] if clip is not None else []), force_patch_weights=True)
+        yield
+    finally:
+        loaded = mm.current_loaded_models
+        for i in reversed(range(len(loaded))):
+            if not any(loaded[i] is lm for lm in before):
+                loaded.pop(i).model_unload()
+
+
+def _parts(clip, vae) -> tuple[dict | None, dict | None]:
+    """The tensors of the CLIP and VAE (None where not connected), read as ``comfy.sd.save_checkpoint`` reads them."""
     for part, what in ((clip, "CLIP"), (vae, "VAE")):
         if part is not None and not hasattr(part, "get_sd"):
             raise folding.SlimError(f"sdslim: this {what} ({type(part).__name__}) cannot be saved in a checkpoint; "
                                     f"leave the {what.lower()} input unconnected")
-    clip_sd = clip.get_sd() if clip is not None else None
-    vae_sd = vae.get_sd() if vae is not None else None
-    comfy.model_management.load_models_gpu([model] + ([clip.load_model()] if clip is not None else []),
-                                           force_patch_weights=True)
-    return model.model.state_dict_for_saving(clip_sd, vae_sd, None)
+    return (clip.get_sd() if clip is not None else None), (vae.get_sd() if vae is not None else None)
 
 
 def save_checkpoint(model, filename: str, destination: str, clip=None, vae=None, overwrite: bool = False,
@@ -133,22 +154,24 @@ def save_checkpoint(model, filename: str, destination: str, clip=None, vae=None,
     matrices, others = storage_dtypes(dtype, info.source_dtype)
     extra = _adapter_tensors(info, torch.float16) if embed_adapters else {}
     meta = _record(model, info, "fp16" if embed_adapters else None)
-    sd = {**_saved_state(model, clip, vae), **extra}
+    clip_sd, vae_sd = _parts(clip, vae)
+    with patched(model, clip):
+        sd = {**model.model.state_dict_for_saving(clip_sd, vae_sd, None), **extra}
 
-    def stored(key, t):
-        if matrices is None or not t.is_floating_point() or key in extra:
-            return t.dtype
-        return matrices if t.dim() >= 2 and layout.file_part(key) == "unet" else others
-    entries = [(k, stored(k, t), tuple(t.shape)) for k, t in sd.items()]
-    dtypes = {k: d for k, d, _ in entries}
-    done = []
+        def stored(key, t):
+            if matrices is None or not t.is_floating_point() or key in extra:
+                return t.dtype
+            return matrices if t.dim() >= 2 and layout.file_part(key) == "unet" else others
+        entries = [(k, stored(k, t), tuple(t.shape)) for k, t in sd.items()]
+        dtypes = {k: d for k, d, _ in entries}
+        done = []
 
-    def produce(key):
-        done.append(key)
-        if progress is not None:
-            progress(len(done), len(entries))
-        return sd.pop(key).detach().to("cpu", dtypes[key]).contiguous()
-    write_safetensors_streaming(path, entries, produce, _strings(meta), overwrite=overwrite)
+        def produce(key):
+            done.append(key)
+            if progress is not None:
+                progress(len(done), len(entries))
+            return sd.pop(key).detach().to("cpu", dtypes[key]).contiguous()
+        write_safetensors_streaming(path, entries, produce, _strings(meta), overwrite=overwrite)
     return path, size_text(file_size(path), info)
 
 
@@ -173,20 +196,20 @@ def save_gguf(model, filename: str, qtype: str, overwrite: bool = False, embed_a
     io_gguf.package()
     path = target(folder_paths.get_folder_paths("diffusion_models")[0], filename, ".gguf", overwrite)
     adapters = _adapter_tensors(info, None) if embed_adapters else {}
-    comfy.model_management.load_models_gpu([model], force_patch_weights=True)
-    sd = model.model.diffusion_model.state_dict()
-    entries = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()] + \
-        [(k, v.dtype, tuple(v.shape)) for k, v in adapters.items()]
-    done = []
-
-    def produce(name):
-        done.append(name)
-        if progress is not None:
-            progress(len(done), len(entries))
-        return adapters[name] if name in adapters else sd[name]
     meta = {k: v for k, v in _record(model, info, io_gguf.ADAPTER_TYPE if embed_adapters else None).items()
             if k.startswith("sdslim.")}
-    io_gguf.write_unet(path, entries, set(adapters), produce, qtype, info.family, meta, overwrite=overwrite)
+    with patched(model):
+        sd = model.model.diffusion_model.state_dict()
+        entries = [(k, v.dtype, tuple(v.shape)) for k, v in sd.items()] + \
+            [(k, v.dtype, tuple(v.shape)) for k, v in adapters.items()]
+        done = []
+
+        def produce(name):
+            done.append(name)
+            if progress is not None:
+                progress(len(done), len(entries))
+            return adapters[name] if name in adapters else sd[name]
+        io_gguf.write_unet(path, entries, set(adapters), produce, qtype, info.family, meta, overwrite=overwrite)
     return path, file_size(path).text()
 
 

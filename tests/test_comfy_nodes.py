@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import ldm_unet, randomize_, tiny_config
+from emulated_device import accelerators, on
 from sdslim_core import layout
 from sdslim_core.io import adapters, files
 from sdslim_core.layout import rank_policy
@@ -51,23 +52,27 @@ def pack():
 
 
 def _comfy_classes(unet, ops):
-    """Give the LDM layers ComfyUI's op classes (the stand-in's), as ComfyUI builds them."""
+    """Give the LDM layers ComfyUI's op classes (the stand-in's) and their forward (cast per layer when ComfyUI says),
+    as ComfyUI builds them."""
     for m in unet.modules():
         for plain, op in ((torch.nn.Linear, ops.disable_weight_init.Linear), (torch.nn.Conv2d, ops.disable_weight_init.Conv2d),
-                          (torch.nn.GroupNorm, ops.disable_weight_init.GroupNorm)):
+                          (torch.nn.GroupNorm, ops.disable_weight_init.GroupNorm),
+                          (torch.nn.LayerNorm, ops.disable_weight_init.LayerNorm)):
             if isinstance(m, plain) and not hasattr(m, "comfy_cast_weights"):
                 m.__class__ = op
+                m.__dict__.pop("forward", None)          # ldm_unet's float64 GroupNorm forward
     return unet
 
 
 @pytest.fixture
 def model(pack):
     """(stand-in ModelPatcher over a tiny float64 LDM UNet, canonical weights copy)."""
+    import comfy.model_base
     import comfy.model_patcher
     import comfy.ops
     torch.manual_seed(0)
     unet = _comfy_classes(randomize_(ldm_unet(tiny_config())).eval(), comfy.ops)
-    base = torch.nn.Module()
+    base = comfy.model_base.BaseModel()
     base.diffusion_model = unet
     base.model_sampling = torch.nn.Module()
     weights = {k: v.clone() for k, v in unet.state_dict().items()}
@@ -508,6 +513,7 @@ def test_hook_loras_on_the_slim_model_are_converted_like_loras(pack, model):
 def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplog):
     """clone() carries everything; wrappers/callbacks/object patches holding the old UNet and patches on
     slimmed keys are dropped by name; the clone's backups and parent link start afresh."""
+    import comfy.model_patcher
     import comfy.patcher_extension as ext
     patcher, weights = model
     src = patcher.clone()
@@ -531,7 +537,8 @@ def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplo
     hook = Hook()
     src.hook_patches = {hook.hook_ref: {f"diffusion_model.{FF}.net.2.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, None)],
                                         attn + ".to_q.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, None)]}}
-    src.backup["diffusion_model.out.2.weight"] = "not ours"
+    theirs = comfy.model_patcher.Backup(weights["out.2.weight"], False)
+    src.backup["diffusion_model.out.2.weight"] = theirs
     with caplog.at_level(logging.WARNING, logger="sdslim"):
         slim = pack.folding.slim_patcher(src, _aset(weights, 0.5))
     msgs = " | ".join(r.getMessage() for r in caplog.records)
@@ -544,7 +551,7 @@ def test_slim_model_is_a_clone_without_what_held_the_old_unet(pack, model, caplo
     assert set(slim.hook_patches[hook.hook_ref]) == {attn + ".to_q.weight"}
     assert len(src.hook_patches[hook.hook_ref]) == 2 and len(src.object_patches) == 3     # the input keeps all
     assert len(clones) == 1 and clones[0][0] is src                  # ON_CLONE ran: Slim UNet is a clone
-    assert slim.backup == {} and src.backup == {"diffusion_model.out.2.weight": "not ours"}
+    assert slim.backup == {} and src.backup == {"diffusion_model.out.2.weight": theirs}
     assert slim.parent is None and slim.model is not src.model and slim.model.model_lowvram is False
     assert slim.model_size() < src.model_size()
     assert slim.clone().model is slim.model and type(slim.clone()) is type(slim)
@@ -898,3 +905,375 @@ def test_save_slim_checkpoint_stores_the_dtype_the_source_was_stored_in(pack):
     assert [saving.storage_dtypes(choice, src) for choice, src in [
         ("source", None), ("source", bf16), ("source", f8), ("fp16", bf16), ("bf16", None), ("fp8_e4m3fn", bf16),
         ("as held", f16)]] == [(f16, f16), (bf16, bf16), (f8, f16), (f16, f16), (bf16, bf16), (f8, f16), (None, None)]
+
+
+def _merged_loras(pack, weights) -> dict:
+    """The patches of :func:`_late_loras` that the stand-in's ComfyUI merges itself (LoRA, LoCon, diff; its LoHa and
+    LoKr compute nothing), so the same LoRA goes before Slim UNet too."""
+    patches, _ = _late_loras(pack, weights, torch.Generator().manual_seed(6))
+    return {k: v for k, v in patches.items() if isinstance(v, tuple) or type(v).__name__ == "LoRAAdapter"}
+
+
+def _folders(fp, tmp_path, *names):
+    fp.folder_names_and_paths.clear()
+    for name in names:
+        (tmp_path / name).mkdir(exist_ok=True)
+        fp.folder_names_and_paths[name] = ([str(tmp_path / name)], {".safetensors"})
+
+
+def _run(m, seed=3):
+    """What ``m`` computes patched the way a custom node or script patches a model: ``patch_model()`` directly."""
+    m.patch_model()
+    try:
+        return _forward(m.model.diffusion_model, seed)
+    finally:
+        m.unpatch_model()
+
+
+def _load_state(m) -> dict:
+    """Where the MODEL's BaseModel stands: its tensors (device, dtype, a hash of the values), ComfyUI's load marks on
+    its modules and on it."""
+    import hashlib
+    marks = {n: (getattr(x, "comfy_patched_weights", None), getattr(x, "comfy_cast_weights", None),
+                 len(getattr(x, "weight_function", ()))) for n, x in m.model.named_modules()}
+    tensors = {k: (v.device, v.dtype, hashlib.sha256(v.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
+               for k, v in m.model.state_dict().items()}
+    return {"tensors": tensors, "marks": marks, "uuid": m.model.current_weight_patches_uuid,
+            "lowvram": m.model.model_lowvram, "loaded": m.model.model_loaded_weight_memory}
+
+
+def test_saving_never_changes_what_the_model_computes_afterwards(pack, model, tmp_path):
+    """The bug: a LoRA added after Slim UNet, on a slim MODEL that Save Slim Checkpoint had just written, computed
+    the slim model without the LoRA (max abs diff 0.35 in a real ComfyUI). The save's forced load
+    (``load_models_gpu(force_patch_weights=True)``, as ComfyUI's Save Checkpoint) left the slim BaseModel loaded,
+    every module marked patched, so the LoRA clone's ``patch_model()`` skipped them all. The save now unloads what it
+    loaded: the saved MODEL (here with a LoRA, patched into the shared weights by the save), its parent and a LoRA
+    added afterwards compute what they computed before, the same LoRA folded in before Slim UNet being the reference;
+    the CLIP it saves (with a patch) is unloaded again too; a model loaded before the save stays loaded."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    class Clip:
+        """What the save asks of ComfyUI's CLIP: its tensors, and its patcher loaded (``load_model``)."""
+        def __init__(self):
+            self.patcher = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"),
+                                                            torch.device("cpu"))
+            self.patcher.add_patches({"weight": ("diff", (torch.ones(2, 2),))})
+
+        def get_sd(self):
+            return {"cond_stage_model." + k: v for k, v in self.patcher.model.state_dict().items()}
+
+        def load_model(self):
+            mm.load_models_gpu([self.patcher])
+            return self.patcher
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim", "checkpoints")
+    patcher, weights = model
+    _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
+    lora = _merged_loras(pack, weights)
+
+    def slim(m):
+        return pack.specs.SLIM.run(model=m, adapters="a.safetensors", strength=1.0, enable=True).values[0]
+
+    def with_lora(m, strength):
+        m = m.clone()
+        m.add_patches(lora, strength)
+        return m
+    plain = slim(patcher)
+    reference = _run(plain)
+    want = {s: _run(slim(with_lora(patcher, s))) for s in (0.6, -0.9)}
+    assert (want[0.6] - reference).abs().max() > 1e-3                 # the LoRA matters
+
+    def save(m, name, clip=None):
+        state, loaded = _load_state(m), list(mm.current_loaded_models)
+        pack.specs.SAVE_SLIM.run(model=m, filename=name, destination="checkpoints", overwrite=False,
+                                 embed_adapters=False, clip=clip)
+        assert (tmp_path / "checkpoints" / f"{name}.safetensors").is_file()
+        return state, loaded
+    clip = Clip()
+    clip_weight = clip.patcher.model.weight.detach().clone()
+    state, loaded = save(plain, "plain", clip)
+    torch.testing.assert_close(_run(with_lora(plain, -0.9)), want[-0.9], rtol=1e-5, atol=1e-6)   # the bug
+    assert _load_state(plain) == state and mm.current_loaded_models == loaded
+    assert torch.equal(clip.patcher.model.weight, clip_weight) and not clip.patcher.backup
+    saved = with_lora(plain, 0.6)
+    state, loaded = save(saved, "with_lora")                          # its LoRA forced into the shared weights
+    assert _load_state(saved) == state and mm.current_loaded_models == loaded
+    torch.testing.assert_close(_run(plain), reference)
+    torch.testing.assert_close(_run(saved), want[0.6], rtol=1e-5, atol=1e-6)
+    mm.load_models_gpu([saved])                                      # through ComfyUI's loader: the same
+    torch.testing.assert_close(_forward(saved.model.diffusion_model), want[0.6], rtol=1e-5, atol=1e-6)
+    save(saved, "loaded")
+    assert [lm.model for lm in mm.current_loaded_models] == [saved]   # loaded before the save: stays loaded
+    mm.unload_all_models()
+    torch.testing.assert_close(_run(plain), reference)
+
+
+# ------------------------------------------------------------------------------ on a GPU load device (emulated)
+# ComfyUI with a GPU gives every MODEL a load device (the GPU) and an offload device (the CPU): weights wait on the
+# CPU, load_models_gpu moves them and computes the patches there (comfy.lora.calculate_weight brings each patch's
+# tensors to the weight), and --lowvram / --novram keep layers on the CPU, cast per forward with their patches.
+# The load device here is emulated_device.py's (CUDA's placement rules, the CPU's values), and cuda too where a GPU is
+# present (pytest -k cuda, CLOSE: its kernels round otherwise than the CPU's). Load Slim GGUF runs on the emulated one
+# in tests/integration/test_comfyui_gguf.py only: a stand-in for ComfyUI-GGUF (its tensor class, ops, loader and
+# patcher) would be a second ComfyUI-GGUF, testing itself.
+
+CLOSE = {"emulated": dict(rtol=1e-6, atol=1e-7), "cuda": dict(rtol=2e-2, atol=2e-3)}
+SAME = {"emulated": dict(rtol=0, atol=0), "cuda": CLOSE["cuda"]}       # the same computation, twice
+
+
+@pytest.fixture(params=accelerators())
+def acc(request):
+    return request.param
+
+
+def _on(patcher, device):
+    """A ModelPatcher over ``patcher``'s BaseModel with ``device`` as its load device and the CPU as offload."""
+    import comfy.model_patcher
+    return comfy.model_patcher.ModelPatcher(patcher.model, device, torch.device("cpu"))
+
+
+def _sampled(m, device, lowvram: bool, monkeypatch):
+    """What ``m`` computes loaded by ComfyUI's loader onto ``device`` (lowvram, where the device is not the CPU:
+    every layer left on the CPU and cast per forward), on the CPU; the model is unloaded again."""
+    import comfy.model_management as mm
+    lowvram = lowvram and device.type != "cpu"
+    monkeypatch.setattr(mm, "vram_state", mm.VRAMState.NO_VRAM if lowvram else mm.VRAMState.NORMAL_VRAM)
+    monkeypatch.setattr(mm, "get_torch_device", lambda: device)
+    mm.load_models_gpu([m])
+    try:
+        params = {p.device.type for p in m.model.diffusion_model.parameters()}
+        assert params == ({"cpu"} if lowvram else {device.type}), params
+        assert m.model.model_lowvram == lowvram
+        g = torch.Generator().manual_seed(3)
+        x, ctx = (torch.randn(*shape, generator=g, dtype=m.model_dtype()).to(device)
+                  for shape in ((1, 4, 16, 16), (1, 5, 64)))
+        with torch.no_grad():
+            out = m.model.diffusion_model(x, torch.tensor([300.0]).to(device), context=ctx)
+        assert out.device == device
+        return out.cpu()
+    finally:
+        mm.unload_all_models()
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full", "lowvram"])
+def test_slim_unet_folds_on_the_load_device_and_a_lora_after_it_computes_there(pack, model, tmp_path, lowvram, acc,
+                                                                              monkeypatch):
+    """Guards the first GPU run's ComfyUI crash: Slim UNet folded the weights on the load device with the adapter
+    tensors read on the CPU ("Expected all tensors to be on the same device"). Slim UNet (the input with a LoRA)
+    folds on the load device, keeps the result on the offload device, and the slim model with a LoRA after it,
+    loaded by ComfyUI's loader (fully, or lowvram: weights cast per layer, the LoRA applied to the cast weight),
+    computes on the device what the same models compute on the CPU. On the code before the fix (f134183) it fails:
+    that code folded on the CPU for every load device but CUDA. Not emulated: an input already loaded on the device
+    (weights there are the emulation's tensor subclass, which Slim UNet refuses as it refuses quantised ones)."""
+    from sdslim_core.ops import fold
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim")
+    patcher, weights = model
+    _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
+    lora = _merged_loras(pack, weights)
+    folded_on = set()
+    real_fold = fold.fold_site
+    monkeypatch.setattr(fold, "fold_site", lambda site, kind, get, tensors: real_fold(
+        site, kind, lambda k: folded_on.add(None if get(k) is None else get(k).device) or get(k), tensors))
+    outs = {}
+    for name in ("cpu", "device"):
+        with on(acc) as dev:
+            device = dev if name == "device" else torch.device("cpu")
+            before = _on(patcher, device).clone()
+            before.add_patches(lora, 0.7)
+            folded_on.clear()
+            slim = pack.specs.SLIM.run(model=before, adapters="a.safetensors", strength=1.0, enable=True).values[0]
+            assert folded_on - {None} == {device}
+            assert {t.device.type for t in slim.model.state_dict().values()} == {"cpu"}
+            after = slim.clone()
+            after.add_patches(lora, -0.4)
+            outs[name] = _sampled(after, device, lowvram, monkeypatch)
+            outs[name + " without"] = _sampled(slim, device, lowvram, monkeypatch)
+    assert (outs["device"] - outs["device without"]).abs().max() > 1e-3           # the LoRA acts
+    torch.testing.assert_close(outs["device"], outs["cpu"], **CLOSE[acc])
+
+
+class _TinyConfig:
+    """The config ComfyUI's detection would find for the tiny LDM UNet: it builds ComfyUI's BaseModel over an LDM
+    UNet with the stand-in's op classes, in the inference dtype ComfyUI chose."""
+    scaled_fp8 = None
+    unet_config = {}
+    supported_inference_dtypes = [torch.float32]
+
+    @classmethod
+    def matches(cls, state_dict, prefix):
+        return state_dict[prefix + "input_blocks.0.0.weight"].shape[0] == tiny_config().model_channels
+
+    def set_inference_dtype(self, dtype, manual_cast_dtype):
+        self.dtype = dtype
+
+    def get_model(self, state_dict, prefix="", device=None):
+        import comfy.model_base
+        import comfy.ops
+        with torch.device(device):
+            base = comfy.model_base.BaseModel(self)
+            base.diffusion_model = _comfy_classes(ldm_unet(tiny_config(), self.dtype).eval(), comfy.ops)
+        return base
+
+    def process_unet_state_dict(self, state_dict):
+        return state_dict
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full", "lowvram"])
+def test_load_slim_checkpoint_and_a_lora_after_it_on_a_gpu_load_device(pack, model, tmp_path, lowvram, acc,
+                                                                       monkeypatch):
+    """Guards Load Slim Checkpoint with a GPU: its MODEL takes ComfyUI's load device and offload device, its weights
+    wait on the CPU, and a LoRA after it (converted with the adapter file the slim file records, found in
+    models/sdslim) is computed on the device by ComfyUI's patch math, fully loaded or lowvram; the result is what the
+    same file and LoRA compute on the CPU. The stand-in stands in for ComfyUI's model detection and BaseModel
+    construction (:class:`_TinyConfig`), not for the loader's own work: meta build, slim layers, assignment."""
+    from sdslim_core.apps.slim import slim_checkpoint
+    from sdslim_core.io.tensors import save_file_atomic
+    import comfy.supported_models
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim", "checkpoints", "embeddings")
+    monkeypatch.setattr(comfy.supported_models, "models", [_TinyConfig])
+    patcher, weights = model
+    _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
+    save_file_atomic({layout.CHECKPOINT_PREFIX + k: v.float() for k, v in weights.items()}, tmp_path / "full.st")
+    slim_checkpoint(tmp_path / "full.st", tmp_path / "sdslim" / "a.safetensors",
+                    tmp_path / "checkpoints" / "slim.safetensors")
+    lora = _merged_loras(pack, weights)
+    outs = {}
+    for name in ("cpu", "device"):
+        with on(acc) as dev:
+            device = dev if name == "device" else torch.device("cpu")
+            monkeypatch.setattr(pack.comfy[0], "get_torch_device", lambda: device)
+            loaded, clip, vae = pack.specs.LOAD_SLIM.run(ckpt_name="slim.safetensors").values
+            assert (loaded.load_device, loaded.offload_device) == (device, torch.device("cpu")) and clip is None
+            after = loaded.clone()
+            after.add_patches(lora, 0.8)
+            outs[name] = _sampled(after, device, lowvram, monkeypatch)
+            outs[name + " without"] = _sampled(loaded, device, lowvram, monkeypatch)
+    assert (outs["device"] - outs["device without"]).abs().max() > 1e-3           # the LoRA acts
+    torch.testing.assert_close(outs["device"], outs["cpu"], **CLOSE[acc])
+
+
+def _slim_with_lora(pack, patcher, device, lora):
+    """Slim UNet (adapters a.safetensors of models/sdslim) over ``patcher``'s BaseModel with ``device`` as the load
+    device, and a LoRA after it."""
+    slim = pack.specs.SLIM.run(model=_on(patcher, device), adapters="a.safetensors", strength=1.0,
+                               enable=True).values[0]
+    after = slim.clone()
+    after.add_patches(lora, -0.4)
+    return after
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full", "lowvram"])
+def test_save_nodes_write_from_a_gpu_what_they_write_from_the_cpu(pack, model, tmp_path, lowvram, acc, monkeypatch):
+    """Guards the Save nodes with a GPU: their forced load puts the patched weights on the load device (lowvram: the
+    layers ComfyUI keeps on the CPU are patched there in place) and both writers read them from there (the
+    safetensors stream, the GGUF quantiser). A slim MODEL with a LoRA after it, loaded on the device before the save
+    (as after a sampling), is written byte for byte as from the CPU, stays loaded and computes what it computed;
+    saved when not loaded, it is left unloaded, its weights back on the CPU."""
+    import comfy.model_management as mm
+    from sdslim_core.io.tensors import load_file
+    pytest.importorskip("gguf")
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim", "checkpoints", "diffusion_models")
+    patcher, weights = model
+    _with_intercept(_aset(weights, 0.5)).save(tmp_path / "sdslim" / "a.safetensors")
+    lora = _merged_loras(pack, weights)
+    for name in ("cpu", "device"):
+        with on(acc) as dev:
+            device = dev if name == "device" else torch.device("cpu")
+            m = _slim_with_lora(pack, patcher, device, lora)
+            before = _sampled(m, device, lowvram, monkeypatch)
+            mm.load_models_gpu([m])
+            pack.specs.SAVE_SLIM.run(model=m, filename=name, destination="checkpoints", overwrite=False,
+                                     embed_adapters=False, dtype="as held")
+            pack.specs.SAVE_GGUF.run(model=m, filename=name, quant="Q8_0", overwrite=False, embed_adapters=False)
+            assert [lm.model for lm in mm.current_loaded_models] == [m]
+            mm.unload_all_models()
+            state = _load_state(m)
+            pack.specs.SAVE_SLIM.run(model=m, filename=f"{name}_unloaded", destination="checkpoints",
+                                     overwrite=False, embed_adapters=False, dtype="as held")
+            assert _load_state(m) == state and not mm.current_loaded_models            # loaded by it: unloaded
+            torch.testing.assert_close(_sampled(m, device, lowvram, monkeypatch), before, **SAME[acc])
+    cpu, got = (load_file(tmp_path / "checkpoints" / f"{n}.safetensors")[0] for n in ("cpu", "device"))
+    assert got.keys() == cpu.keys()
+    for k in cpu:
+        torch.testing.assert_close(got[k], cpu[k], **SAME[acc])
+    if acc == "emulated":                 # on cuda a weight rounded otherwise may quantise to the next step
+        gguf = [(tmp_path / "diffusion_models" / f"{n}.gguf").read_bytes() for n in ("cpu", "device")]
+        assert gguf[0] == gguf[1]
+
+
+def test_vram_report_names_a_gpu_that_is_not_cuda_and_what_is_loaded_on_it(pack, model, tmp_path, monkeypatch):
+    """Guards VRAM Report on a GPU that is not CUDA (MPS, XPU, DirectML): it said "CPU only: no GPU, VRAM n/a" for
+    every device but CUDA. With a slim model loaded on the (emulated) device by ComfyUI's loader and sampled through
+    Slim UNet's monitor, the report names the device and ComfyUI's memory figures for it, the slim model loaded
+    there and the sampling's device. (CUDA's own counters are not emulated: bench/gpu_suite.py reads them.)"""
+    from emulated_device import emulated_device
+    import comfy.model_management as mm
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim")
+    patcher, weights = model
+    _aset(weights, 0.5).save(tmp_path / "sdslim" / "a.safetensors")
+
+    class Executor:
+        def __init__(self, slim):
+            self.class_obj = types.SimpleNamespace(model_patcher=slim)
+
+        def __call__(self, noise):
+            return noise + 1
+    with emulated_device() as dev:
+        monkeypatch.setattr(mm, "get_torch_device", lambda: dev)
+        slim = pack.specs.SLIM.run(model=_on(patcher, dev), adapters="a.safetensors", strength=1.0,
+                                   enable=True).values[0]
+        mm.load_models_gpu([slim])
+        pack.monitor.outer_sample_wrapper(Executor(slim), torch.zeros(1, 4, 8, 8, device=dev))
+        (text,) = pack.specs.VRAM_REPORT.run(model=slim, model_b=patcher).values
+        mm.unload_all_models()
+    assert "CPU only" not in text and f"device: {dev}\nmemory total" in text, text
+    assert f"BaseModel (slim): weights {files.format_bytes(slim.model_size())}, on {dev}" in text
+    assert f"s on {dev}, slim BaseModel" in text and f"{dev}: no VRAM peak" in text
+
+
+def test_train_node_trains_on_the_models_load_device(pack, tmp_path, acc, monkeypatch):
+    """Guards Train Slim Adapters with a GPU: the node trains on the MODEL's load device, the teacher merged from the
+    MODEL's patches. The first GPU run's training stopped on the device in stage 2 (ops/fold.py out_bias_shift, an
+    FF intercept left on the CPU) and in the plan's warm-up (modules/swap.py ResDown): tests/test_device_placement.py
+    guards those in the core; here a refit from the node (start_from: the file's sites and ranks, a short stage 2)
+    runs its stage 2 on the device and writes finite adapters of those sites and ranks. Its values are not compared
+    with a CPU run's: the initialisation's linear algebra is float64 on the CPU and float32 on an accelerator by
+    design, so selections may differ. The UNet is the smallest with SD1.5's structure (the initialisation's many
+    small steps are slow on the emulated device). Not emulated: a MODEL already loaded on the device (the
+    emulation's tensor subclass is refused as quantised weights are)."""
+    import comfy.model_base
+    import comfy.ops
+    import sdslim_core.train
+    from sdslim_core.modules import swap
+    training = importlib.import_module("sdslim_nodes_under_test.training")
+    fp = pack.folder_paths
+    _folders(fp, tmp_path, "sdslim")
+    micro = layout.UNetConfig(family="sd15", in_channels=4, out_channels=4, model_channels=32, channel_mult=(1, 2),
+                              num_res_blocks=1, transformer_depth=(1, 0), mid_transformer_depth=1, context_dim=32,
+                              use_linear_proj=False, adm_in_channels=None, num_heads=2, time_embed_dim=128)
+    base = comfy.model_base.BaseModel()
+    base.diffusion_model = _comfy_classes(randomize_(ldm_unet(micro)).eval(), comfy.ops)
+    weights = {k: v.clone() for k, v in base.diffusion_model.state_dict().items()}
+    start = _with_intercept(_aset(weights, 0.5))
+    start.save(tmp_path / "sdslim" / "start.safetensors")
+    lora = _merged_loras(pack, weights)
+    positive = [[torch.randn(1, 77, 32, generator=torch.Generator().manual_seed(0)), {}]]
+    calls, real_train, real_slim = [], sdslim_core.train.train_adapters, swap.slim_module
+    monkeypatch.setattr(sdslim_core.train, "train_adapters", lambda *a, **k: calls.append(k["device"]) or real_train(
+        *a, **{**k, "n_trajectories": 2, "sample_steps": 2}))
+    monkeypatch.setattr(swap, "slim_module", lambda unet, *a, **k: calls.append(next(unet.parameters()).device)
+                        or real_slim(unet, *a, **k))                # stage 2's measure: the folded UNet
+    with on(acc) as dev:
+        m = _on(types.SimpleNamespace(model=base), dev).clone()
+        m.add_patches(lora, 0.5)
+        training.run(m, "refit", ratio=0.5, steps=2, seed=0, positive=positive, latent_size=4,
+                     start_from="start.safetensors")
+    assert calls[0] == str(dev) and dev in calls[1:]
+    got = adapters.AdapterSet.load(tmp_path / "sdslim" / "refit.safetensors")
+    assert got.ranks() == start.ranks() and got.metadata["sdslim.train"]["steps"]["stage2"] == 2
+    assert all(torch.isfinite(t).all() for tensors in got.sites.values() for t in tensors.values())

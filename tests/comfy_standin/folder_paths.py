@@ -28,6 +28,13 @@ def get_full_path(folder_name, filename):
     return None
 
 
+def get_full_path_or_raise(folder_name, filename):
+    full = get_full_path(folder_name, filename)
+    if full is None:
+        raise FileNotFoundError(f"Model in folder '{folder_name}' with filename '{filename}' not found.")
+    return full
+
+
 def add_model_folder_path(folder_name, full_folder_path, is_default=False):
     paths, exts = folder_names_and_paths.setdefault(folder_name, ([], set()))
     if full_folder_path in paths:

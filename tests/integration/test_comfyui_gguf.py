@@ -309,12 +309,52 @@ def test_compact_embedded_adapters_keep_the_loras_effect(comfy, files, gguf_pack
     assert cos >= 0.999
 
 
+def test_a_lora_after_load_slim_gguf_is_applied_on_a_gpu(comfy, files, gguf_pack, teacher):
+    """Guards Load Slim GGUF + a LoRA with a GPU: ComfyUI-GGUF keeps the LoRA's patches (sdslim's slim-space
+    conversion) beside each quantised weight and, every forward, applies them where it dequantised it
+    (``GGMLLayer.get_weight``: ``move_patch_to_device``, then ``comfy.lora.calculate_weight``). tests/
+    emulated_device.py's device cannot hold ComfyUI-GGUF's own tensor subclass (GGMLTensor), so each patched
+    weight is dequantised on the CPU by ComfyUI-GGUF and handed, with the patches ComfyUI-GGUF attached to it, to
+    its ``get_weight`` on the device: the weights it computes there equal the CPU's, folded layers included."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from emulated_device import emulated_device
+    sys.path.pop(0)
+    import comfy.model_management as mm
+    (model,) = _node(comfy, LOADER).execute(unet_name="slim-Q8_0.gguf").args
+    (after,) = comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(model, "tiny_lora_green.safetensors", 1.0)
+    mm.load_models_gpu([after])                   # ComfyUI-GGUF attaches the patches to the quantised weights
+    try:
+        layers = {n: m for n, m in after.model.diffusion_model.named_modules()
+                  if getattr(getattr(m, "weight", None), "patches", None)}
+        folded = "input_blocks.1.1.transformer_blocks.0.ff.net.0.proj"
+        want = {n: layer.get_weight(layer.weight, torch.float32) for n, layer in layers.items()}
+        plain = {n: torch.Tensor.as_subclass(gguf_pack["dequant"].dequantize_tensor(layer.weight, torch.float32),
+                                             torch.Tensor) for n, layer in layers.items()}
+        assert (want[folded] - plain[folded]).abs().max() > 1e-3                     # the LoRA acts on it
+        with emulated_device() as dev:
+            for name, layer in layers.items():
+                on_dev = plain[name].to(dev)
+                on_dev.patches = layer.weight.patches
+                got = layer.get_weight(on_dev, torch.float32)
+                assert got.device == dev
+                torch.testing.assert_close(got.cpu(), want[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    finally:
+        mm.unload_all_models()
+
+
 def test_save_slim_gguf_writes_what_load_slim_gguf_reads(comfy, files, gguf_pack, teacher):
     """Tiny teacher → Slim UNet → LoRA → Save Slim GGUF (Q8_0) → Load Slim GGUF: the file holds the slim UNet with
-    the LoRA, quantised by the gguf package (checked against its own dequantisation), marked slim, no adapters."""
+    the LoRA, quantised by the gguf package (checked against its own dequantisation), marked slim, no adapters. The
+    teacher's UNet is loaded by ComfyUI's own loader here (the Tiny Demo node's MODEL is refused by the Save nodes:
+    without this module's detection of the tiny UNet, ComfyUI cannot load what they would write)."""
+    from sdslim_core import tiny
     from sdslim_core.io import gguf as io_gguf
+    from sdslim_core.io.tensors import LazyStateDict
     folder, _ = files
-    model_t, _, _, probes = teacher
+    _, _, _, probes = teacher
+    lazy = LazyStateDict(tiny.DEFAULT_PATH)
+    model_t = comfy["sd"].load_diffusion_model_state_dict({k: lazy[k] for k in lazy
+                                                           if k.startswith("model.diffusion_model.")})
     (slim,) = _node(comfy, "SdslimSlimUNet").execute(model=model_t, adapters="tiny_sd15_slim_half.safetensors",
                                                      strength=1.0, enable=True).args
     (with_lora,) = comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(slim, "tiny_lora_green.safetensors", 1.0)

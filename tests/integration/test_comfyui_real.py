@@ -1002,6 +1002,192 @@ def test_save_slim_checkpoint_writes_what_load_slim_checkpoint_reads(comfy, tiny
     assert not list(ckpts.glob("**/*.tmp")) and not list(ckpts.glob("**/.*.tmp"))
 
 
+def test_saving_never_changes_what_the_model_computes_afterwards(comfy, tiny, intercept_adapters, lora_files,
+                                                              adapter_dir, tmp_path, monkeypatch, capsys):
+    """The bug: a LoRA added after Slim UNet on a slim MODEL that Save Slim Checkpoint had just written computed the
+    slim model without the LoRA. The save's forced load (``load_models_gpu(force_patch_weights=True)``, as ComfyUI's
+    Save Checkpoint) left the slim BaseModel loaded, every module marked patched, and the LoRA clone's
+    ``patch_model()`` (not ComfyUI's loader, which detaches the loaded clone first) skipped them all; ComfyUI's own
+    Save Checkpoint leaves its model so (measured and printed here). Save Slim Checkpoint and Save Slim GGUF now
+    unload what they loaded: the saved MODEL (with a LoRA, forced into the weights its parent shares), its parent and
+    a LoRA added later compute what they computed before, patched either way, the LoRA folded in before Slim UNet
+    being the reference."""
+    patcher, _ = tiny
+    mm = comfy["mm"]
+    _tiny_detection(comfy, monkeypatch, tmp_path)
+    comfy["folder_paths"].add_model_folder_path("diffusion_models", str(tmp_path), is_default=True)
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    x, t, ctx = _inputs()
+    mm.unload_all_models()
+    slim = _slim(comfy, patcher, intercept_adapters)
+    plain = _run(slim, x, t, ctx)
+    want = _run(_slim(comfy, loader.load_lora_model_only(patcher, "lora.safetensors", 0.9)[0], intercept_adapters),
+                x, t, ctx)
+    comfy["sd"].save_checkpoint(str(tmp_path / "comfyui_save.safetensors"), slim)
+    comfyui_left = (_run(loader.load_lora_model_only(slim, "lora.safetensors", 0.9)[0], x, t, ctx) - want).abs().max()
+    mm.unload_all_models()
+    save = _node(comfy, "SdslimSaveSlimCheckpoint")
+    save.execute(model=slim, filename="plain", destination="checkpoints", overwrite=False, embed_adapters=False)
+    after = _run(loader.load_lora_model_only(slim, "lora.safetensors", 0.9)[0], x, t, ctx)
+    torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-5)
+    assert not mm.current_loaded_models
+    (saved,) = loader.load_lora_model_only(slim, "lora.safetensors", 0.9)
+    snap = _snapshot(saved)
+    save.execute(model=saved, filename="lora", destination="checkpoints", overwrite=False, embed_adapters=False)
+    _node(comfy, "SdslimSaveSlimGGUF").execute(model=saved, filename="lora", quant="Q8_0", overwrite=False,
+                                               embed_adapters=False)
+    _assert_unchanged(saved, snap)
+    assert not mm.current_loaded_models
+    torch.testing.assert_close(_run(slim, x, t, ctx), plain)
+    torch.testing.assert_close(_run(saved, x, t, ctx), want, rtol=1e-4, atol=1e-5)
+    with capsys.disabled():
+        print(f"\nafter ComfyUI's Save Checkpoint, a LoRA clone patched by patch_model(): max abs diff "
+              f"{comfyui_left:.4f} from the LoRA; after Save Slim Checkpoint: "
+              f"{(after - want).abs().max():.2e} (the LoRA's own effect: {(want - plain).abs().max():.4f})")
+
+
+# ------------------------------------------------------------ with a GPU: tests/emulated_device.py's second device
+
+@pytest.fixture
+def gpu(comfy, monkeypatch):
+    """ComfyUI as on a machine with a GPU: its torch device is emulated_device.py's (CUDA's placement rules, the
+    CPU's values), the load device of the models made here, the CPU their offload device. ComfyUI's memory figures
+    for it are the system's, as ComfyUI gives them for MPS (its CUDA queries cannot run here). Nothing is loaded
+    before or after."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from emulated_device import emulated_device
+    sys.path.pop(0)
+    mm = comfy["mm"]
+
+    def system(real):
+        return lambda dev=None, *args, **kwargs: real(torch.device("cpu"), *args, **kwargs)
+    for name in ("get_total_memory", "get_free_memory"):
+        monkeypatch.setattr(mm, name, system(getattr(mm, name)))
+    mm.unload_all_models()
+    with emulated_device() as dev:
+        monkeypatch.setattr(mm, "get_torch_device", lambda: dev)
+        try:
+            yield dev
+        finally:
+            for device in (dev, torch.device("cpu")):
+                mm.free_memory(1e30, device)
+
+
+def _lowvram(comfy, monkeypatch, vram):
+    """``--novram`` (every layer cast per forward from the CPU) for ``vram == "lowvram"``."""
+    if vram == "lowvram":
+        monkeypatch.setattr(comfy["mm"], "vram_state", comfy["mm"].VRAMState.NO_VRAM)
+
+
+def _loaded_forward(comfy, model, device, x, t, ctx, lowvram):
+    """What ``model`` computes loaded onto ``device`` by ComfyUI's loader, on the CPU; unloaded again."""
+    comfy["mm"].load_models_gpu([model])
+    try:
+        unet = model.model.diffusion_model
+        assert model.model.model_lowvram == lowvram
+        assert {p.device for p in unet.parameters()} == ({torch.device("cpu")} if lowvram else {device})
+        return _forward(model, x.to(device), t.to(device), ctx.to(device)).cpu()
+    finally:
+        comfy["mm"].free_memory(1e30, device)
+
+
+@pytest.mark.parametrize("vram", ["full", "lowvram"])
+def test_slim_unet_and_a_lora_after_it_on_a_gpu(comfy, tiny, intercept_adapters, lora_files, gpu, vram, monkeypatch):
+    """Guards Slim UNet with a GPU, in ComfyUI itself: the first GPU run's crash (the fold on the load device, the
+    adapter tensors read on the CPU). The MODEL's load device is the GPU: Slim UNet folds there (the code before the
+    fix, f134183, folded on the CPU for every load device but CUDA), and the slim model with a LoRA after it, loaded
+    by ComfyUI (fully, or --novram: layers cast per forward with the LoRA applied by ComfyUI's LowVramPatch),
+    computes on the GPU what it computes on the CPU, and a KSampler run on the GPU gives the CPU's latent."""
+    from sdslim_core.ops import fold
+    patcher, _ = tiny
+    _lowvram(comfy, monkeypatch, vram)
+    folded_on, real_fold = set(), fold.fold_site
+    monkeypatch.setattr(fold, "fold_site", lambda site, kind, get, tensors: real_fold(
+        site, kind, lambda k: folded_on.add(getattr(get(k), "device", None)) or get(k), tensors))
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    x, t, ctx = _inputs()
+    (on_cpu,) = loader.load_lora_model_only(_slim(comfy, patcher, intercept_adapters), "lora.safetensors", 0.9)
+    want, want_latent = _run(on_cpu, x, t, ctx), _sample(comfy, on_cpu)
+    comfy["mm"].unload_all_models()
+    on_gpu = comfy["model_patcher"].ModelPatcher(patcher.model, gpu, torch.device("cpu"))
+    folded_on.clear()
+    (after,) = loader.load_lora_model_only(_slim(comfy, on_gpu, intercept_adapters), "lora.safetensors", 0.9)
+    assert folded_on - {None} == {gpu}
+    assert {p.device for p in after.model.parameters()} == {torch.device("cpu")}       # waits on the offload device
+    got = _loaded_forward(comfy, after, gpu, x, t, ctx, vram == "lowvram")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_sample(comfy, after), want_latent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vram", ["full", "lowvram"])
+def test_load_slim_checkpoint_and_a_lora_after_it_on_a_gpu(comfy, tiny, intercept_adapters, lora_files, adapter_dir,
+                                                           gpu, vram, tmp_path, monkeypatch):
+    """Guards Load Slim Checkpoint with a GPU: its MODEL takes ComfyUI's load device (the GPU) and offload device,
+    and a LoRA after it (converted with the adapter file the slim file records) computes on the GPU, fully loaded or
+    --novram, what ComfyUI's patching computes on the CPU."""
+    from sdslim_core.apps import slim as core_slim
+    from safetensors.torch import save_file
+    patcher, weights = tiny
+    _lowvram(comfy, monkeypatch, vram)
+    ckpts = _tiny_detection(comfy, monkeypatch, tmp_path)
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in weights.items()}, str(tmp_path / "full.st"))
+    core_slim.slim_checkpoint(tmp_path / "full.st", adapter_dir / intercept_adapters, ckpts / "gpu.safetensors")
+    model, _, _ = _node(comfy, "SdslimLoadSlimCheckpoint").execute(ckpt_name="gpu.safetensors").args
+    assert (model.load_device, model.offload_device) == (gpu, torch.device("cpu"))
+    (after,) = comfy["nodes"].LoraLoaderModelOnly().load_lora_model_only(model, "lora.safetensors", 0.9)
+    x, t, ctx = _inputs()
+    want = _run(after, x, t, ctx)                                  # ComfyUI's patching on the CPU
+    assert (want - _run(model, x, t, ctx)).abs().max() > 1e-3
+    torch.testing.assert_close(_loaded_forward(comfy, after, gpu, x, t, ctx, vram == "lowvram"), want, rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("vram", ["full", "lowvram"])
+def test_save_nodes_write_from_a_gpu_what_they_write_from_the_cpu(comfy, tiny, intercept_adapters, lora_files, gpu,
+                                                                  vram, tmp_path, monkeypatch):
+    """Guards the Save nodes with a GPU: their forced load puts the patched weights on the GPU (--novram: patched in
+    place on the CPU) and both writers read them from there. A slim MODEL with a LoRA after it, loaded on the GPU
+    before the save (as after a sampling), is written byte for byte as the same MODEL on the CPU is, stays loaded and
+    computes what it computed."""
+    from sdslim_core.io.tensors import load_file
+    patcher, _ = tiny
+    _lowvram(comfy, monkeypatch, vram)
+    ckpts = _tiny_detection(comfy, monkeypatch, tmp_path)
+    comfy["folder_paths"].add_model_folder_path("diffusion_models", str(tmp_path), is_default=True)
+    loader = comfy["nodes"].LoraLoaderModelOnly()
+    x, t, ctx = _inputs()
+    for name, device in (("cpu", torch.device("cpu")), ("gpu", gpu)):
+        m = comfy["model_patcher"].ModelPatcher(patcher.model, device, torch.device("cpu"))
+        (after,) = loader.load_lora_model_only(_slim(comfy, m, intercept_adapters), "lora.safetensors", 0.9)
+        before = _loaded_forward(comfy, after, device, x, t, ctx, vram == "lowvram" and name == "gpu")
+        comfy["mm"].load_models_gpu([after])
+        _node(comfy, "SdslimSaveSlimCheckpoint").execute(model=after, filename=name, destination="checkpoints",
+                                                         overwrite=False, embed_adapters=False, dtype="as held")
+        _node(comfy, "SdslimSaveSlimGGUF").execute(model=after, filename=name, quant="Q8_0", overwrite=False,
+                                                   embed_adapters=False)
+        assert [lm.model for lm in comfy["mm"].current_loaded_models] == [after]
+        comfy["mm"].free_memory(1e30, device)
+        torch.testing.assert_close(_loaded_forward(comfy, after, device, x, t, ctx, vram == "lowvram" and
+                                                   name == "gpu"), before, rtol=0, atol=0)
+    cpu, got = (load_file(ckpts / f"{n}.safetensors")[0] for n in ("cpu", "gpu"))
+    assert got.keys() == cpu.keys() and all(torch.equal(got[k], cpu[k]) for k in cpu)
+    assert (tmp_path / "gpu.gguf").read_bytes() == (tmp_path / "cpu.gguf").read_bytes()
+
+
+def test_vram_report_on_a_gpu_names_it_and_what_is_loaded_there(comfy, tiny, adapter_dir, gpu):
+    """Guards VRAM Report with a GPU that is not CUDA (MPS, XPU, DirectML): it said "CPU only: no GPU" for every
+    device but CUDA. After a KSampler run of a slim MODEL on the (emulated) GPU, the report names the device, ComfyUI's
+    memory figures for it, the slim model loaded there and the sampling's device. (CUDA's own counters are not
+    emulated: bench/gpu_suite.py reads them on a GPU.)"""
+    patcher, _ = tiny
+    slim = _slim(comfy, comfy["model_patcher"].ModelPatcher(patcher.model, gpu, torch.device("cpu")))
+    _sample(comfy, slim)
+    text = _node(comfy, "SdslimVramReport").execute(model=slim, model_b=patcher).args[0]
+    assert "CPU only" not in text and f"device: {gpu.type}\nmemory total" in text, text
+    assert "BaseModel (slim): weights" in text and f"on {gpu}" in text
+    assert f"s on {gpu}, slim BaseModel" in text and f"{gpu}: no VRAM peak" in text
+
+
 # ---------------------------------------------------------------------------------- the shipped tiny demo
 
 def test_tiny_demo_node_gives_comfyui_objects_that_match_the_core_pipeline(comfy, caplog):

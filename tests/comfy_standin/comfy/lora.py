@@ -1,6 +1,8 @@
-"""Stand-in for ``comfy.lora.calculate_weight``: ``("diff", (delta,))`` patches, weight adapters and nested lists."""
+"""Stand-in for ``comfy.lora.calculate_weight``: ``("diff", (delta,))`` patches and weight adapters, their tensors
+brought to the weight's device (``cast_to_device``) as ComfyUI does."""
 import torch
 
+import comfy.model_management
 from comfy import weight_adapter
 
 
@@ -15,5 +17,5 @@ def calculate_weight(patches, weight, key, intermediate_dtype=torch.float32, ori
             continue
         if value[0] != "diff":
             raise NotImplementedError(f"stand-in supports 'diff' patches only, got {value[0]!r} for {key}")
-        weight += function(strength * value[1][0].to(weight.device, weight.dtype))
+        weight += function(strength * comfy.model_management.cast_to_device(value[1][0], weight.device, weight.dtype))
     return weight

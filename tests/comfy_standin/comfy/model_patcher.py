@@ -1,9 +1,20 @@
-"""Stand-in for ``comfy.model_patcher.ModelPatcher``: patches, clone (with what it carries), hooks, unpatch."""
+"""Stand-in for ``comfy.model_patcher.ModelPatcher``: patches, clone (with what it carries), hooks, and loading as
+ComfyUI 0.3.64 loads (``patch_model``/``load``/``partially_load``/``unpatch_model``/``detach``): weights backed up,
+patched in float32 on the load device by ``comfy.lora.calculate_weight`` and moved there; lowvram layers keep their
+weights on the offload device and get a :class:`LowVramPatch` that patches the weight cast for each forward; a
+module marked ``comfy_patched_weights`` by an earlier load is not patched again until unpatched."""
+import collections
 import copy
 import uuid
 
+import torch
+
+import comfy.lora
 import comfy.model_management
 import comfy.patcher_extension
+import comfy.utils
+
+Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
 
 
 def wipe_lowvram_weight(m):
@@ -14,6 +25,21 @@ def wipe_lowvram_weight(m):
         m.weight_function = []
     if hasattr(m, "bias_function"):
         m.bias_function = []
+
+
+class LowVramPatch:
+    """A key's patches applied to its weight as cast for one forward (float32 for dtypes ComfyUI does not patch in)."""
+
+    def __init__(self, key, patches, convert_func=None, set_func=None):
+        self.key, self.patches = key, patches
+
+    def __call__(self, weight):
+        dtype = weight.dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            out = comfy.lora.calculate_weight(self.patches[self.key], weight.to(torch.float32), self.key,
+                                              intermediate_dtype=torch.float32)
+            return out.to(dtype)
+        return comfy.lora.calculate_weight(self.patches[self.key], weight, self.key, intermediate_dtype=dtype)
 
 
 class ModelPatcher:
@@ -30,7 +56,8 @@ class ModelPatcher:
         self.hook_patches, self.hook_patches_backup, self.hook_backup, self.cached_hook_patches = {}, None, {}, {}
         self.parent = None
         for name, value in (("device", offload_device), ("model_loaded_weight_memory", 0),
-                            ("lowvram_patch_counter", 0), ("model_lowvram", False)):
+                            ("lowvram_patch_counter", 0), ("model_lowvram", False),
+                            ("current_weight_patches_uuid", None)):
             if not hasattr(model, name):
                 setattr(model, name, value)
         self.model_size()
@@ -40,6 +67,9 @@ class ModelPatcher:
             return self.size
         self.size = comfy.model_management.module_size(self.model)
         return self.size
+
+    def loaded_size(self):
+        return self.model.model_loaded_weight_memory
 
     def model_dtype(self):
         return next(self.model.parameters()).dtype
@@ -60,6 +90,9 @@ class ModelPatcher:
             for fn in fns:
                 fn(self, n)
         return n
+
+    def is_clone(self, other):
+        return hasattr(other, "model") and self.model is other.model
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         sd = self.model.state_dict()
@@ -84,11 +117,13 @@ class ModelPatcher:
         return added
 
     def get_key_patches(self, filter_prefix=None):
+        """key → [(its unpatched weight: the backup while the model is patched, convert function), *patches]."""
         out = {}
         for k, w in self.model.state_dict().items():
             if filter_prefix is not None and not k.startswith(filter_prefix):
                 continue
-            out[k] = [(w, lambda a, **kwargs: a)] + self.patches.get(k, [])
+            bk = self.backup.get(k)
+            out[k] = [(w if bk is None else bk.weight, lambda a, **kwargs: a)] + self.patches.get(k, [])
         return out
 
     def add_wrapper_with_key(self, wrapper_type, key, wrapper):
@@ -100,6 +135,107 @@ class ModelPatcher:
     def add_callback_with_key(self, call_type, key, callback):
         self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)
 
+    # ------------------------------------------------------------------------------------------- loading
+
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False):
+        if key not in self.patches:
+            return
+        weight = comfy.utils.get_attr(self.model, key)
+        inplace_update = self.weight_inplace_update or inplace_update
+        if key not in self.backup:
+            self.backup[key] = Backup(weight.to(device=self.offload_device, copy=inplace_update), inplace_update)
+        if device_to is not None:
+            temp = comfy.model_management.cast_to_device(weight, device_to, torch.float32, copy=True)
+        else:
+            temp = weight.to(torch.float32, copy=True)
+        out = comfy.lora.calculate_weight(self.patches[key], temp, key).to(weight.dtype)
+        if inplace_update:
+            comfy.utils.copy_to_param(self.model, key, out)
+        else:
+            comfy.utils.set_attr_param(self.model, key, out)
+
+    def _load_list(self):
+        loading = []
+        for n, m in self.model.named_modules():
+            params = [name for name, _ in m.named_parameters(recurse=False)]
+            if any(name not in params for name, _ in m.named_parameters(recurse=True)):
+                continue                                        # not a leaf module
+            if hasattr(m, "comfy_cast_weights") or params:
+                loading.append((comfy.model_management.module_size(m), n, m, params))
+        return loading
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+        mem_counter = patch_counter = lowvram_counter = 0
+        load_completely = []
+        for module_mem, n, m, params in sorted(self._load_list(), key=lambda x: (x[0], x[1]), reverse=True):
+            lowvram_weight = False
+            if not full_load and hasattr(m, "comfy_cast_weights") and mem_counter + module_mem >= lowvram_model_memory:
+                lowvram_weight = True
+                lowvram_counter += 1
+                if hasattr(m, "prev_comfy_cast_weights"):      # already lowvram
+                    continue
+            cast_weight = self.force_cast_weights
+            if lowvram_weight:
+                m.weight_function, m.bias_function = [], []
+                for key, functions in ((f"{n}.weight", m.weight_function), (f"{n}.bias", m.bias_function)):
+                    if key in self.patches:
+                        if force_patch_weights:
+                            self.patch_weight_to_device(key)
+                        else:
+                            functions.append(LowVramPatch(key, self.patches))
+                            patch_counter += 1
+                cast_weight = True
+            else:
+                if hasattr(m, "comfy_cast_weights"):
+                    wipe_lowvram_weight(m)
+                if full_load or mem_counter + module_mem < lowvram_model_memory:
+                    mem_counter += module_mem
+                    load_completely.append((module_mem, n, m, params))
+            if cast_weight and hasattr(m, "comfy_cast_weights"):
+                m.prev_comfy_cast_weights = m.comfy_cast_weights
+                m.comfy_cast_weights = True
+        for _, n, m, params in load_completely:
+            if getattr(m, "comfy_patched_weights", False):
+                continue
+            for param in params:
+                self.patch_weight_to_device(f"{n}.{param}", device_to=device_to)
+            m.comfy_patched_weights = True
+        for _, _, m, _ in load_completely:
+            m.to(device_to)
+        self.model.model_lowvram = lowvram_counter > 0
+        if not self.model.model_lowvram and full_load:
+            self.model.to(device_to)
+            mem_counter = self.model_size()
+        self.model.lowvram_patch_counter += patch_counter
+        self.model.device = device_to
+        self.model.model_loaded_weight_memory = mem_counter
+        self.model.current_weight_patches_uuid = self.patches_uuid
+
+    def patch_model(self, device_to=None, lowvram_model_memory=0, load_weights=True, force_patch_weights=False):
+        for k, obj in self.object_patches.items():
+            old = comfy.utils.set_attr(self.model, k, obj)
+            self.object_patches_backup.setdefault(k, old)
+        if load_weights:
+            self.load(device_to, lowvram_model_memory=lowvram_model_memory, force_patch_weights=force_patch_weights,
+                      full_load=lowvram_model_memory == 0)
+        return self.model
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        current = self.model.current_weight_patches_uuid
+        unpatch_weights = current is not None and (current != self.patches_uuid or force_patch_weights)
+        used = self.model.model_loaded_weight_memory
+        self.unpatch_model(self.offload_device, unpatch_weights=unpatch_weights)
+        if unpatch_weights:
+            extra_memory += used - self.model.model_loaded_weight_memory
+        self.patch_model(load_weights=False)
+        if not self.model.model_lowvram and self.model.model_loaded_weight_memory > 0:
+            return 0
+        full_load = self.model.model_loaded_weight_memory + extra_memory > self.model_size()
+        current_used = self.model.model_loaded_weight_memory
+        self.load(device_to, lowvram_model_memory=current_used + extra_memory, force_patch_weights=force_patch_weights,
+                  full_load=full_load)
+        return self.model.model_loaded_weight_memory - current_used
+
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         """Restore backed-up weights/objects and reset the load state kept on the model."""
         if unpatch_weights:
@@ -108,16 +244,25 @@ class ModelPatcher:
                     wipe_lowvram_weight(m)
                 self.model.model_lowvram = False
                 self.model.lowvram_patch_counter = 0
-            for key, weight in self.backup.items():
-                *path, name = key.split(".")
-                owner = self.model.get_submodule(".".join(path))
-                setattr(owner, name, weight)
+            for key, bk in self.backup.items():
+                if bk.inplace_update:
+                    comfy.utils.copy_to_param(self.model, key, bk.weight)
+                else:
+                    comfy.utils.set_attr_param(self.model, key, bk.weight)
+            self.model.current_weight_patches_uuid = None
             self.backup.clear()
             if device_to is not None:
                 self.model.to(device_to)
                 self.model.device = device_to
             self.model.model_loaded_weight_memory = 0
+            for m in self.model.modules():
+                if hasattr(m, "comfy_patched_weights"):
+                    del m.comfy_patched_weights
         for key, obj in self.object_patches_backup.items():
-            *path, name = key.split(".")
-            setattr(self.model.get_submodule(".".join(path)), name, obj)
+            comfy.utils.set_attr(self.model, key, obj)
         self.object_patches_backup.clear()
+
+    def detach(self, unpatch_all=True):
+        if unpatch_all:
+            self.unpatch_model(self.offload_device, unpatch_weights=unpatch_all)
+        return self.model

@@ -1,6 +1,8 @@
 """Stand-in for ``comfy.weight_adapter``: the LoRA/LoHa/LoKr patch values of ComfyUI's LoRA loader (weights tuples
-in ComfyUI's order); only a plain LoRA computes its weight here."""
+in ComfyUI's order); only a plain LoRA computes its weight here, on the weight's device as ComfyUI does."""
 import torch
+
+import comfy.model_management
 
 
 class WeightAdapterBase:
@@ -22,10 +24,11 @@ class LoRAAdapter(WeightAdapterBase):
         if dora_scale is not None or reshape is not None:
             raise NotImplementedError(f"stand-in LoRAAdapter: no DoRA/reshape ({key})")
         scale = 1.0 if alpha is None else alpha / down.shape[0]
-        down = down.to(intermediate_dtype)
+        up, down = (comfy.model_management.cast_to_device(t, weight.device, intermediate_dtype) for t in (up, down))
         if mid is not None:
-            down = torch.einsum("abkl,bi->aikl", mid.to(intermediate_dtype), down.flatten(1))
-        diff = (up.flatten(1).to(intermediate_dtype) @ down.flatten(1)).reshape(weight.shape)
+            mid = comfy.model_management.cast_to_device(mid, weight.device, intermediate_dtype)
+            down = torch.einsum("abkl,bi->aikl", mid, down.flatten(1))
+        diff = (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
         weight += function((strength * scale * diff).to(weight.dtype))
         return weight
 

@@ -243,14 +243,23 @@ def gguf_quantise(w: torch.Tensor, qtype: str) -> torch.Tensor:
 
 
 def gguf_dequantise(blocks: torch.Tensor, qtype: str, shape, dtype) -> torch.Tensor:
-    """The values of GGUF ``qtype`` ``blocks`` as a ``dtype`` tensor of ``shape`` (on the blocks' device)."""
-    d = blocks[:, :2].contiguous().view(torch.float16).to(torch.float32)
-    q = blocks[:, 2:]
+    """The values of GGUF ``qtype`` ``blocks`` as a ``dtype`` tensor of ``shape`` (on the blocks' device), in the
+    steps ComfyUI-GGUF's default dequantiser takes, so that the measured temporaries are the ones its users have:
+    the fp16 product of the codes and the block scale, cast to ``dtype`` once the codes are gone."""
+    return _gguf_product(blocks, qtype).reshape(tuple(shape)).to(dtype)
+
+
+def _gguf_product(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """[blocks, 32] fp16: each block's codes times its fp16 scale (Q4_0 codes unpacked one byte each, signed)."""
+    scale = blocks[:, :2].view(torch.float16)
+    codes = blocks[:, 2:]
     if qtype == "Q8_0":
-        v = q.contiguous().view(torch.int8).to(torch.float32)
+        codes = codes.view(torch.int8)
     else:
-        v = torch.cat([q & 0x0F, q >> 4], dim=1).to(torch.float32) - 8
-    return (d * v).reshape(tuple(shape)).to(dtype)
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=blocks.device).reshape(1, 2, 1)
+        codes = codes.reshape(len(blocks), 1, 16) >> shifts
+        codes = (codes & 0x0F).reshape(len(blocks), 32).to(torch.int8) - 8
+    return scale * codes
 
 
 class GGUFLayer(nn.Module):

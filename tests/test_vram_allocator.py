@@ -1,5 +1,6 @@
 """The caching-allocator model (sdslim_core/vram/allocator.py) against the native allocator's documented rules,
 worked out by hand for small traces; the GPU suite's GGUF codec against the gguf package; rank alignment."""
+import math
 import sys
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def test_aligned_rank_keeps_whole_groups_and_stays_within_the_width():
 
 def test_the_suites_gguf_codec_reads_the_gguf_packages_blocks():
     """bench/gpu_vram.py keeps weights as GGUF blocks on the GPU and dequantises them per layer: its decoder must
-    read exactly what gguf-py (sdslim's writer) stores, and its encoder make the same blocks."""
+    read exactly what gguf-py (sdslim's writer) stores (rounded once to fp16, the product ComfyUI-GGUF computes), and
+    its encoder make the same blocks."""
     pytest.importorskip("gguf")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import gpu_vram
@@ -105,6 +107,38 @@ def test_the_suites_gguf_codec_reads_the_gguf_packages_blocks():
         p = gguf.plan("w", tuple(w.shape), qtype)
         stored = torch.from_numpy(gguf.encode(w, p).copy()).reshape(-1, gpu_vram._blocks(qtype)[1])
         decoded = gpu_vram.gguf_dequantise(stored, qtype, w.shape, torch.float32)
-        assert torch.equal(decoded, gguf.decode(gguf.encode(w, p), qtype, w.shape))
+        assert torch.equal(decoded, gguf.decode(gguf.encode(w, p), qtype, w.shape).half().float())
         ours = gpu_vram.gguf_quantise(w, qtype)
         assert ours.shape == stored.shape and (ours != stored).float().mean() < 0.01   # ties may round apart
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_estimators_gguf_weight_allocates_what_the_dequantiser_does(qtype, dtype):
+    """The estimator runs a GGUF UNet with :class:`harness.Dequantised` weights (a memory model, no values): each
+    use must allocate, free and peak as the suite's dequantiser (ComfyUI-GGUF's steps, real arithmetic) does,
+    counted by the same tracker."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sdslim_core.vram import harness
+    from sdslim_core.vram.tracker import LiveTracker
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu_vram
+    shape = (640, 320, 3, 3)
+    block_bytes = gpu_vram._blocks(qtype)[1]
+    blocks = math.prod(shape) // 32
+    peaks = []
+    with FakeTensorMode():
+        stored = torch.empty(blocks, block_bytes, dtype=torch.uint8)
+        for dequantise in (lambda: gpu_vram.gguf_dequantise(stored, qtype, shape, dtype),
+                           lambda: harness.Dequantised(shape, dtype, stored.numel(), qtype)(stored.reshape(-1))):
+            tracker = LiveTracker("cpu")
+            tracker.track(stored, "weights")
+            with tracker:
+                weight = dequantise()
+                assert weight.shape == shape and weight.dtype == dtype
+                del weight
+            peaks.append((tracker.peak, tracker.current))
+    assert peaks[0] == peaks[1]
+    weight_bytes = math.prod(shape) * dtype.itemsize
+    assert peaks[0][0] >= blocks * block_bytes + weight_bytes      # at least the stored bytes and the copy

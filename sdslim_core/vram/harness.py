@@ -283,14 +283,21 @@ def prepare_sampling(unet, settings, xformers_fn):
 
 class Dequantised(nn.Module):
     """Parametrization of a weight kept quantised, as ComfyUI-GGUF runs a GGUF file: stored as its file bytes
-    (uint8), a ``dtype`` copy made at each use and dropped after it. A memory model: no value is decoded."""
+    (uint8) and dequantised at each use, the copy dropped after it. A memory model (no value is decoded) of
+    ComfyUI-GGUF's default dequantiser: sub-byte codes unpacked one byte each by a two-byte shift table (shift, mask
+    and sign: three at once, then the signed codes beside the product), their product with the fp16 block scale in
+    fp16, then, the codes gone, a cast to the compute ``dtype``. Q8_0's codes are the stored bytes themselves."""
 
-    def __init__(self, shape, dtype, nbytes):
+    def __init__(self, shape, dtype, nbytes, qtype):
         super().__init__()
-        self.shape, self.dtype, self.nbytes = tuple(shape), dtype, nbytes
+        self.shape, self.dtype, self.nbytes, self.qtype = tuple(shape), dtype, nbytes, qtype
 
     def forward(self, stored):
-        return stored.new_empty(self.shape, dtype=self.dtype)
+        n = math.prod(self.shape)
+        unpacked = [] if self.qtype == "Q8_0" else [stored.new_empty(2)] + [stored.new_empty(n) for _ in range(3)][2:]
+        product = stored.new_empty(self.shape, dtype=torch.float16)
+        del unpacked
+        return product.to(self.dtype)
 
     def right_inverse(self, weight):  # a sequence: parametrize then allows another dtype
         return (weight.new_empty(self.nbytes, dtype=torch.uint8),)
@@ -313,5 +320,5 @@ def keep_quantised(unet, quantised, dtype):
         if key not in canonical:
             raise ValueError(f"{key} ({qtype} in the checkpoint) is not a weight of the UNet its config builds")
         module, name = owner[id(canonical[key])]
-        parametrize.register_parametrization(module, name, Dequantised(canonical[key].shape, dtype, nbytes),
+        parametrize.register_parametrization(module, name, Dequantised(canonical[key].shape, dtype, nbytes, qtype),
                                              unsafe=True)

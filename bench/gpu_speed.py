@@ -29,23 +29,37 @@ RATIOS = (0.75, 0.5, 0.25)
 ALIGN = 64                     # the rank-rounding candidate: ranks to multiples of this where the site allows
 
 
-class Fp8Layer(nn.Module):
-    """A Linear/Conv2d whose weight is stored as float8_e4m3fn and cast to the input's dtype in forward."""
+class StoredLayer(nn.Module):
+    """A Linear/Conv2d whose weight is held in another storage form (``weight_as`` makes the compute copy at each
+    forward, dropped after it)."""
 
     def __init__(self, layer):
         super().__init__()
-        self.register_buffer("weight", layer.weight.detach().to(torch.float8_e4m3fn))
         self.bias = layer.bias
         self.conv = isinstance(layer, nn.Conv2d)
         if self.conv:
             self.stride, self.padding, self.dilation, self.groups = (layer.stride, layer.padding, layer.dilation,
                                                                      layer.groups)
 
+    def weight_as(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x):
-        w = self.weight.to(x.dtype)
+        w = self.weight_as(x.dtype)
         if self.conv:
             return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
         return F.linear(x, w, self.bias)
+
+
+class Fp8Layer(StoredLayer):
+    """The weight stored as float8_e4m3fn and cast to the input's dtype in forward."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.register_buffer("weight", layer.weight.detach().to(torch.float8_e4m3fn))
+
+    def weight_as(self, dtype):
+        return self.weight.to(dtype)
 
 
 def fp8_storage(model):

@@ -9,18 +9,16 @@ quantised) and dequantised on the device at each use, as ComfyUI-GGUF runs a GGU
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import queue
 import threading
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_parts import GIB, Context, latent, tiny_config, unet_config
-from gpu_speed import Fp8Layer, fp8_storage, model_inputs, storage_bytes
+from gpu_speed import StoredLayer, fp8_storage, model_inputs, storage_bytes
 from sdslim_core import layout
 from sdslim_core.io import gguf
 from sdslim_core.modules.unet import build_diffusers_unet, canonical_shapes
@@ -262,25 +260,17 @@ def _gguf_product(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     return scale * codes
 
 
-class GGUFLayer(nn.Module):
-    """A Linear/Conv2d whose weight stays as its GGUF blocks on the device and is dequantised at each forward (the
-    dequantised copy lives while the layer runs), as ComfyUI-GGUF runs a GGUF UNet."""
+class GGUFLayer(StoredLayer):
+    """The weight kept as its GGUF blocks on the device and dequantised at each forward (the dequantised copy lives
+    while the layer runs), as ComfyUI-GGUF runs a GGUF UNet."""
 
     def __init__(self, layer, qtype: str):
-        super().__init__()
+        super().__init__(layer)
         self.qtype, self.shape = qtype, tuple(layer.weight.shape)
         self.register_buffer("blocks", gguf_quantise(layer.weight, qtype))
-        self.bias = layer.bias
-        self.conv = isinstance(layer, nn.Conv2d)
-        if self.conv:
-            self.stride, self.padding, self.dilation, self.groups = (layer.stride, layer.padding, layer.dilation,
-                                                                     layer.groups)
 
-    def forward(self, x):
-        w = gguf_dequantise(self.blocks, self.qtype, self.shape, x.dtype)
-        if self.conv:
-            return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        return F.linear(x, w, self.bias)
+    def weight_as(self, dtype):
+        return gguf_dequantise(self.blocks, self.qtype, self.shape, dtype)
 
 
 def gguf_storage(model, qtype: str):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from a1111_standin.harness import (FakeSdModel, Session, checkpoint, context, first_noise, lora_for,
-                                   merged_reference, tiny_unet, train_time_output, write_adapters)
+                                   merged_reference, tiny_unet, tiny_unet_of_another_width, train_time_output,
+                                   write_adapters)
 from a1111_standin.harness import one_thread, webui  # noqa: F401 (fixtures)
 from sdslim_core.io import adapters
 from sdslim_core.modules import swap
@@ -308,12 +309,7 @@ def test_error_mid_fold_leaves_the_model_intact_and_says_why(session, monkeypatc
 
 
 def test_adapters_for_another_model_fail_clearly(session, webui):
-    other = tiny_unet(seed=5)
-    with torch.no_grad():
-        other.input_blocks[1][0].in_layers[2] = torch.nn.Conv2d(32, 64, 3, padding=1).double()  # width 64 ≠ 32
-        other.input_blocks[1][0].emb_layers[1] = torch.nn.Linear(128, 64).double()
-        other.input_blocks[1][0].out_layers[0] = torch.nn.GroupNorm(32, 64).double()
-        other.input_blocks[1][0].out_layers[3] = torch.nn.Conv2d(64, 32, 3, padding=1).double()
+    other = tiny_unet_of_another_width()
     write_adapters(webui.adapters, other, name="other.safetensors")
     snap = session.snapshot()
     _, res = session.generate("cat", adapter="other.safetensors")

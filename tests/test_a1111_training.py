@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from a1111_standin.harness import (FakeSdModel, Session, first_noise, load_script, lora_for, tiny_unet,
-                                   train_time_output, write_adapters)
+                                   tiny_unet_of_another_width, train_time_output, write_adapters)
 from a1111_standin.harness import one_thread, webui  # noqa: F401 (fixtures)
 from conftest import tiny_config
 from sdslim_core import layout
@@ -318,12 +318,7 @@ def test_refusals_found_during_the_run_are_one_sentence_too(session, webui, monk
     diffusers 0.37 on torch 2.1.2): one sentence in the Report box, without Python class names; nothing in the
     webui's error box, no traceback in the console; nothing written."""
     s = session
-    other = tiny_unet(seed=5)
-    with torch.no_grad():
-        other.input_blocks[1][0].in_layers[2] = torch.nn.Conv2d(32, 64, 3, padding=1).double()     # width 64 ≠ 32
-        other.input_blocks[1][0].emb_layers[1] = torch.nn.Linear(128, 64).double()
-        other.input_blocks[1][0].out_layers[0] = torch.nn.GroupNorm(32, 64).double()
-        other.input_blocks[1][0].out_layers[3] = torch.nn.Conv2d(64, 32, 3, padding=1).double()
+    other = tiny_unet_of_another_width()
     write_adapters(webui.adapters, other, name="other.safetensors")
     s.module.refresh_adapters()
     capsys.readouterr()

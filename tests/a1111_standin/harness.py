@@ -198,6 +198,19 @@ def tiny_unet(seed=0):
     return unet
 
 
+def tiny_unet_of_another_width(seed=5):
+    """:func:`tiny_unet` with its first ResBlock 64 wide inside (32 in the others): adapters made from it fit none
+    of them."""
+    other = tiny_unet(seed=seed)
+    block = other.input_blocks[1][0]
+    with torch.no_grad():
+        block.in_layers[2] = torch.nn.Conv2d(32, 64, 3, padding=1).double()
+        block.emb_layers[1] = torch.nn.Linear(128, 64).double()
+        block.out_layers[0] = torch.nn.GroupNorm(32, 64).double()
+        block.out_layers[3] = torch.nn.Conv2d(64, 32, 3, padding=1).double()
+    return other
+
+
 def write_adapters(folder, unet, name="tiny.safetensors", ratio=0.5, seed=1):
     """An adapter file for ``unet``: data-free init plus noise (float32 values), with per-site errors recorded."""
     canon = {k: v.detach() for k, v in unet.state_dict().items()}

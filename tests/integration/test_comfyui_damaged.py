@@ -74,7 +74,8 @@ def test_damaged_files_never_fail_the_import_or_a_node_list(tmp_path):
                 "SdslimLoadSlimCheckpoint": ["good.safetensors"],
                 "SdslimLoadSlimGGUF": ["good.gguf"]}
     with ComfyServer(tmp_path / "comfy", folders) as server:
-        assert "IMPORT FAILED" not in server.log(), server.log()[-3000:]
+        failed = [line for line in server.log().splitlines() if "IMPORT FAILED" in line and "sdslim" in line]
+        assert not failed, server.log()[-3000:]          # ComfyUI's own audio nodes may fail without torchaudio
         assert _lists(server) == expected
         _damage(good, "while-running")
         assert _lists(server) == expected

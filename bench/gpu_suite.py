@@ -12,8 +12,9 @@ speed original vs slim vs fp8 storage (SD1.5, SDXL); the fold through ``sdslim s
 ``--dry-run`` runs the same code on the CPU with tiny UNets (CUDA events, NVML and bitsandbytes replaced by CPU
 equivalents or skipped with the reason recorded) in about a minute; the test suite runs it.
 
-Process layout: this orchestrator never imports torch. Parts run in a *runner* child (one fresh interpreter for
-all of them, restarted only after a part fails, so a poisoned CUDA context never leaks into the next part); a
+Process layout: this orchestrator never imports torch. Parts run in a *runner* child (one interpreter for a run
+of parts, restarted after a part fails, so a poisoned CUDA context never leaks into the next part, and before a
+part marked ``fresh``, whose whole-device readings must not include what earlier parts left on the GPU); a
 part that overruns its cap is killed with its process group and recorded as timed out with whatever partial
 result it had written. Results go to ``--out`` (3 files: results.json, results.md, suite.log); the runners'
 scratch files live in a temporary folder that is removed at the end.
@@ -60,6 +61,7 @@ class Part:
     background: bool = False   # runs beside the foreground parts (CPU only)
     quiet: bool = False        # latency-sensitive: waits until no background part runs
     optional: bool = False     # only with --compile
+    fresh: bool = False        # starts a new runner: its NVML readings must not hold earlier parts' leftovers
 
 
 PLAN = (
@@ -68,7 +70,7 @@ PLAN = (
     Part("vram_estimate", "vram", "`sdslim vram estimate` for every seed_study point and sampling row (CPU, 6 "
          "worker processes with no GPU visible, beside the GPU parts)", 380, 0, dry_cap_s=240, background=True),
     Part("seed_study", "vram", "the seed's training-VRAM matrix measured (SD1.5 768 px B=1…16 and a few points per "
-         "setting, SDXL points): allocated, reserved, NVML", 70, 55),
+         "setting, SDXL points): allocated, reserved, NVML", 70, 55, fresh=True),
     Part("trainer_sd15", "trainer", "SD1.5: the plan (quick/full ETA on this GPU) + its 8 GB check; train_adapters "
          "on CUDA, random full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit",
          110, 100),
@@ -78,7 +80,7 @@ PLAN = (
     Part("profile", "speed", "torch.profiler SD1.5 512² B=1: device time by op kind, inside/outside the slimmed "
          "sites, original vs slim 0.5/0.25 and candidates", 20, 17),
     Part("sampling_vram", "vram", "sampling VRAM SD1.5 512² / SDXL 1024²: original, slim 0.5, fp8, GGUF Q8_0/Q4_0 "
-         "kept quantised; UNet at CFG batch 2 + VAE decode", 30, 20),
+         "kept quantised; UNet at CFG batch 2 + VAE decode", 30, 20, fresh=True),
     Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5, the 8 GB check's stage-2 groups)",
          110, 80),
     Part("speed_compile", "speed", "torch.compile(mode='reduce-overhead'): SD1.5 512² B=1 original vs slim 0.5",
@@ -109,6 +111,12 @@ def select(names: str | None, compile_: bool, previous: Path | None = None) -> l
             raise SystemExit(f"gpu_suite: unknown parts {unknown}; known: {', '.join(PARTS)}")
         return [p for p in PLAN if p.name in wanted]
     return [p for p in PLAN if compile_ or not p.optional]
+
+
+def runner_batch(todo: list[str]) -> list[str]:
+    """The pending foreground parts the next runner process runs: from the first up to the next ``fresh`` one."""
+    cut = next((i for i, n in enumerate(todo) if i and PARTS[n].fresh), len(todo))
+    return todo[:cut]
 
 
 def cap_of(part: Part, dry: bool) -> float:
@@ -162,7 +170,7 @@ def runner(args) -> int:
         now = time.time()
         cap = effective_cap(part, selection, args.dry_run, args.deadline, now)
         write_json(state, {"part": name, "started": now, "cap_s": cap})
-        record = {"status": "skipped", "seconds": 0.0, "cap_s": cap}
+        record = {"status": "skipped", "seconds": 0.0, "cap_s": cap, "runner_pid": os.getpid()}
         ctx = None
         try:   # everything, imports included: whatever goes wrong is this part's record, never a silent exit
             if cap < MIN_CAP_S:
@@ -341,7 +349,8 @@ class Suite:
                 now = time.time()
                 todo = [n for n in fg if self.records[n]["status"] == "pending"]
                 if fg_child is None and todo:
-                    fg_child = Child(todo, self.args, self.work, self.deadline, self.selection, self.log, self.paths)
+                    fg_child = Child(runner_batch(todo), self.args, self.work, self.deadline, self.selection, self.log,
+                                     self.paths)
                 if not bg_started and self._bg_may_start(bg[0]):
                     bg_child = Child(bg, self.args, self.work, self.deadline, self.selection, self.log, self.paths)
                     bg_started = True

@@ -106,6 +106,18 @@ def test_gpu_plan_fits_the_device_call():
     assert sum(p.reserve_s for p in gpu_suite.PLAN if not p.background and not p.optional) <= gpu_suite.BUDGET_S
 
 
+def test_parts_that_read_the_whole_device_start_a_fresh_runner(dry):
+    """NVML reads the whole device: ``fresh`` parts (the seed study, sampling VRAM) start a new runner process, so
+    their readings hold nothing that earlier parts left on the GPU (the second H200 run's sampling rows carried
+    0.65-0.74 GiB of it); the other foreground parts share the runner before them."""
+    results, _, _ = dry
+    assert {p.name for p in gpu_suite.PLAN if p.fresh} == {"seed_study", "sampling_vram"}
+    order = [p.name for p in gpu_suite.PLAN if not p.background and p.name in results["parts"]]
+    pid = {n: results["parts"][n]["runner_pid"] for n in order}
+    for before, part in zip(order, order[1:]):
+        assert (pid[part] != pid[before]) == gpu_suite.PARTS[part].fresh, (before, part, pid)
+
+
 def test_dry_run_seed_study_measured_next_to_estimate(dry):
     results, _, _ = dry
     study = {c["name"]: c for c in results["parts"]["seed_study"]["result"]["curves"]}

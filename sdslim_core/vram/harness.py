@@ -293,10 +293,14 @@ class Dequantised(nn.Module):
         self.shape, self.dtype, self.nbytes, self.qtype = tuple(shape), dtype, nbytes, qtype
 
     def forward(self, stored):
-        n = math.prod(self.shape)
-        unpacked = [] if self.qtype == "Q8_0" else [stored.new_empty(2)] + [stored.new_empty(n) for _ in range(3)][2:]
+        codes = []                                         # Q8_0: views of the stored bytes
+        if self.qtype != "Q8_0":
+            n = math.prod(self.shape)
+            shifted, masked, signed = (stored.new_empty(n) for _ in range(3))
+            codes = [stored.new_empty(2), signed]          # the shift table and the signed codes stay
+            del shifted, masked, signed
         product = stored.new_empty(self.shape, dtype=torch.float16)
-        del unpacked
+        del codes
         return product.to(self.dtype)
 
     def right_inverse(self, weight):  # a sequence: parametrize then allows another dtype

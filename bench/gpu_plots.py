@@ -1,6 +1,6 @@
 """The GPU suite's VRAM figures from its ``results.json`` (matplotlib; run where the results came back to):
 
-    python bench/gpu_plots.py out/gpu_suite/results.json [--out DIR]
+    python bench/gpu_plots.py out/gpu_suite/results.json [--out DIR] [--estimate]
 
 - ``seed_device.png``: the seed study's curves as the device showed them (NVML, solid, one panel per group as the
   seed drew them: fine-tune, LoRA, SDXL), the predicted device peak (the estimate's allocator reserve + the measured
@@ -8,8 +8,13 @@
 - ``seed_allocated.png``: the same curves in torch's allocated bytes, with the estimate's live bytes dashed;
 - ``device_error.png``: predicted vs measured device peak of every point (training and sampling), with ±10 %.
 
-Each PNG is written next to ``results.json`` unless ``--out`` says where. The seed's constant / slope / order
-conclusions, measured and estimated, are in the suite's ``results.md`` (``gpu_report``).
+- ``vram.md``: every measured point beside its estimate (allocated, reserve, device) and the seed's constant /
+  slope / order conclusions, measured and estimated (``gpu_report.vram_section``, as in the suite's ``results.md``).
+
+Each file is written next to ``results.json`` unless ``--out`` says where. ``--estimate`` runs today's estimator
+here (CPU, fake tensors) for every measured curve instead of reading the run's own ``vram_estimate`` part: for a
+run made before the estimator changed, e.g. the first one (``../shared/data/gpu-h200-2026-12-04``, whose older
+names :func:`current_names` reads).
 """
 from __future__ import annotations
 
@@ -22,10 +27,41 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_report import context_gib, vram_rows  # noqa: E402
+from gpu_report import context_gib, vram_rows, vram_section  # noqa: E402
 from sdslim_core.vram.plots import figure_curves  # noqa: E402
 
 GROUPS = {"finetune": "fine-tune (SD1.5, 768 px unless said)", "lora": "LoRA (SD1.5)", "sdxl": "SDXL, 1024 px"}
+
+
+def current_names(results: dict) -> dict:
+    """``results`` in today's names: the first run (commit 4a1e45b) called the seed study ``vram_study``, kept no
+    panel group per curve, and read NVML by polling during each point (``nvml_peak_gib``), which there equals the
+    reserve + context that today's end-of-point reading (``nvml_end_gib``) gives."""
+    parts = results["parts"]
+    if "seed_study" not in parts and "vram_study" in parts:
+        from gpu_vram import seed_group
+        parts["seed_study"] = parts.pop("vram_study")
+        for c in (parts["seed_study"].get("result") or {}).get("curves", []):
+            c.setdefault("group", seed_group(c["name"]))
+            for p in c["points"]:
+                p.setdefault("nvml_end_gib", p.get("nvml_peak_gib"))
+    return results
+
+
+def estimate_here(results: dict) -> dict:
+    """``results`` with its ``vram_estimate`` part replaced by this checkout's estimator, run here for every
+    measured curve's settings at its measured batch sizes (one worker process, no GPU needed)."""
+    from sdslim_core.vram.estimate import run_worker
+    from sdslim_core.vram.settings import Settings
+    measured = (results["parts"].get("seed_study", {}).get("result") or {}).get("curves", [])
+    jobs = [(c["name"], Settings.from_dict(c["settings"]), [p["batch"] for p in c["points"]]) for c in measured]
+    raws = run_worker(jobs, echo_progress=True) if jobs else []
+    results["parts"]["vram_estimate"] = {"status": "ok", "result": {
+        "curves": [r for r in raws if "error" not in r],
+        "errors": {r["name"]: r["error"] for r in raws if "error" in r},
+        "gpu": "estimated afterwards by bench/gpu_plots.py --estimate (this checkout's estimator, on a CPU)",
+        "device_mode": next((r.get("device_mode") for r in raws if "error" not in r), None)}}
+    return results
 
 
 def _curves(results: dict, key: str) -> list:
@@ -82,6 +118,10 @@ def plot_all(results: dict, out_dir: Path) -> list:
         fig.tight_layout()
         fig.savefig(out_dir / "device_error.png", dpi=90)
         written.append(out_dir / "device_error.png")
+    section = vram_section(results)
+    if section:
+        (out_dir / "vram.md").write_text("\n".join(section).rstrip() + "\n")
+        written.append(out_dir / "vram.md")
     return written
 
 
@@ -89,8 +129,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="the suite's results.json")
     ap.add_argument("--out", default=None, help="folder for the PNGs (default: next to results.json)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="estimate every measured point with this checkout's estimator here, instead of the run's own")
     args = ap.parse_args(argv)
-    results = json.loads(Path(args.results).read_text())
+    results = current_names(json.loads(Path(args.results).read_text()))
+    if args.estimate:
+        results = estimate_here(results)
     written = plot_all(results, Path(args.out) if args.out else Path(args.results).parent)
     print("\n".join(str(p) for p in written) or "nothing to plot (no seed_study points)")
     return 0

@@ -140,7 +140,8 @@ def _summary(errs, label):
             f"{sum(errs) / len(errs):+.1%})")
 
 
-def _vram(r) -> list:
+def vram_section(r) -> list:
+    """The training-VRAM section: every measured seed-study point beside its estimate, and the conclusions."""
     if "seed_study" not in r["parts"] and "vram_estimate" not in r["parts"]:
         return []
     rows = vram_rows(r)
@@ -358,7 +359,7 @@ def _problems(r) -> list:
 
 def markdown(results: dict) -> str:
     out = []
-    for section in (_header, _environment, _trainer, _speed, _sampling, _vram, _problems):
+    for section in (_header, _environment, _trainer, _speed, _sampling, vram_section, _problems):
         try:
             out += section(results)
         except Exception as err:  # a report must never hide the results that made it

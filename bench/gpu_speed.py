@@ -27,6 +27,7 @@ from sdslim_core.vram.settings import ARCHS, Settings
 
 RATIOS = (0.75, 0.5, 0.25)
 ALIGN = 64                     # the rank-rounding candidate: ranks to multiples of this where the site allows
+UNTILED = 5 / 16               # the fraction whose whole-group ranks miss the tensor-core tile: 100 at a 320-wide Res
 
 
 class StoredLayer(nn.Module):
@@ -137,6 +138,17 @@ def _site_ranks(cfg, ranks: dict, multiple: int) -> dict:
     return {n: rank_policy.aligned_rank(by_name[n].width, r, by_name[n].kind, multiple) for n, r in ranks.items()}
 
 
+def whole_group_ranks(cfg, ratio: float) -> dict:
+    """Ranks at ``ratio`` rounded to whole norm2 groups only, without ``rank_policy``'s tensor-core tile (the rule
+    before it: 5/16 of a 320-wide ResBlock is 100 channels, where the policy gives 80): the probe for what an
+    untiled rank costs, beside ``slim 5/16`` (identical but at those sites)."""
+    out = {}
+    for s in layout.sites(canonical_shapes(cfg)):
+        k = rank_policy.group_size(s.width) if s.kind == "res" else 1
+        out[s.name] = min(s.width, k * max(1, round(s.width * ratio / k)))
+    return out
+
+
 def allocated_ranks(ctx: Context, cfg) -> tuple[dict | None, str]:
     """(ranks, where they come from): the allocation ``trainer_sd15`` made in this run (its default anchored
     allocation at ratio 0.5 on a random full-size teacher: the structure of an allocation, not a trained model's)."""
@@ -150,7 +162,8 @@ def allocated_ranks(ctx: Context, cfg) -> tuple[dict | None, str]:
 def speed_models(family: str, ctx: Context) -> tuple:
     """(config, {name: module}, {name: note}): the original fp16 UNet (random weights, sdpa attention), its slim
     versions (uniform ratios; SD1.5 also the allocated ranks of this run's trainer and those ranks rounded to
-    :data:`ALIGN`), fp8 storage of the original and of slim 0.5, and channels_last copies of both."""
+    :data:`ALIGN`, and :data:`UNTILED` tiled vs whole groups only), fp8 storage of the original and of slim 0.5, and
+    channels_last copies of both."""
     cfg = unet_config(family, ctx.dry)
     notes = {}
     torch.manual_seed(0)
@@ -165,6 +178,8 @@ def speed_models(family: str, ctx: Context) -> tuple:
             if ranks:
                 models["slim allocated"] = harness.slim_of(unet, None, ranks).eval()
                 models[f"slim allocated r{ALIGN}"] = harness.slim_of(unet, None, _site_ranks(cfg, ranks, ALIGN)).eval()
+            models["slim 5/16"] = harness.slim_of(unet, UNTILED).eval()
+            models["slim 5/16 groups only"] = harness.slim_of(unet, None, whole_group_ranks(cfg, UNTILED)).eval()
         r25 = _site_ranks(cfg, rank_policy.ranks_for_ratio(layout.sites(canonical_shapes(cfg)), 0.25), ALIGN)
         models[f"slim 0.25 r{ALIGN}"] = harness.slim_of(unet, None, r25).eval()
         notes["uniform 0.5 ranks"] = "already multiples of 64 or of whole GroupNorm groups" \

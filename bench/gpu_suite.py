@@ -75,7 +75,8 @@ PLAN = (
          "on CUDA, random full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit",
          110, 100),
     Part("speed_sd15", "speed", "UNet fp16 SD1.5 512² B=1,4,8, eager + CUDA-graph replay, FLOPs: original, slim "
-         "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, fp8 storage, channels_last (B=1)", 60, 50),
+         "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, 5/16 tiled vs whole groups only, fp8 "
+         "storage, channels_last (B=1)", 60, 50),
     Part("speed_sdxl", "speed", "the same, SDXL 1024² B=1", 35, 30),
     Part("profile", "speed", "torch.profiler SD1.5 512² B=1: device time by op kind, inside/outside the slimmed "
          "sites, original vs slim 0.5/0.25 and candidates", 20, 17),

@@ -63,7 +63,8 @@ def seed_entries(dry: bool) -> list:
     return [e for e in out if e[0] in DRY_SEED] if dry else out
 
 
-def _group(name: str) -> str:
+def seed_group(name: str) -> str:
+    """The seed's panel of a study point's curve: "sdxl" for the SDXL points, else its setting's group."""
     return "sdxl" if name.startswith("sdxl_") else MATRIX[name][1]
 
 
@@ -95,7 +96,7 @@ def seed_study(ctx: Context) -> dict:
     curves = run_study([(n, s, b) for n, s, b, _ in entries], lambda n: batches[n], steps, ctx.device, log=ctx.log,
                        stop=stop, on_point=lambda c: ctx.partial({"curves": c, "steps": steps}))
     for c in curves:
-        c["group"] = _group(c["name"])
+        c["group"] = seed_group(c["name"])
         for p in c["points"]:
             if p.get("nvml_end_gib") is not None and p.get("reserved_gib") is not None:
                 p["context_gib"] = p["nvml_end_gib"] - p["reserved_gib"]   # NVML beyond the reserve at that point

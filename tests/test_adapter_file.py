@@ -34,11 +34,11 @@ def test_round_trip(tmp_path, aset, weights):
 
 
 def test_res_ranks_keep_whole_norm2_groups():
-    """SD's norm2 has 32 groups: a 320-wide block has groups of 10 channels, so Res ranks are multiples of 10 and
-    the bottleneck norm has one group per kept group; FF ranks are plain fractions."""
+    """SD's norm2 has 32 groups: a 320-wide block has groups of 10 channels, so Res ranks are multiples of 10 (of 40
+    with the tensor-core tile) and the bottleneck norm has one group per kept group; FF ranks are plain fractions."""
     assert rank_policy.rank_for_ratio(320, 0.5, "res") == 160 and rank_policy.res_groups(320, 160) == 16
     assert rank_policy.rank_for_ratio(320, 0.75, "res") == 240 and rank_policy.res_groups(320, 240) == 24
-    assert rank_policy.rank_for_ratio(640, 0.01, "res") == 20 and rank_policy.res_groups(640, 20) == 1
+    assert rank_policy.rank_for_ratio(640, 0.01, "res") == 40 and rank_policy.res_groups(640, 40) == 2
     assert rank_policy.res_groups(320, 320) == 32 and rank_policy.res_groups(64, 32) == 16
     # 32 ∤ 48: per channel
     assert rank_policy.rank_for_ratio(48, 0.5, "res") == 24 and rank_policy.res_groups(48, 24) == 24

@@ -146,6 +146,19 @@ def _slim_params(cfg, ratio=None, ranks=None):
     return sum(math.prod(s) for s in fold.slim_shapes(shapes, ranks).values())
 
 
+def test_the_untiled_rank_probe_differs_from_the_policy_only_at_320_wide_resblocks():
+    """The speed part's ``slim 5/16 groups only`` row measures what a rank that misses the tensor-core tile costs: on
+    SD1.5 it must equal ``slim 5/16`` everywhere but the 320-wide ResBlocks (100 channels there, 80 by the policy)."""
+    import gpu_speed
+    cfg = layout.config_for_arch("sd15")
+    probe = gpu_speed.whole_group_ranks(cfg, 5 / 16)
+    tiled = rank_policy.ranks_for_ratio(layout.sites(canonical_shapes(cfg)), 5 / 16)
+    widths = {s.name: (s.kind, s.width) for s in layout.sites(canonical_shapes(cfg))}
+    differ = {n for n in tiled if probe[n] != tiled[n]}
+    assert differ and {widths[n] for n in differ} == {("res", 320)}
+    assert {probe[n] for n in differ} == {100} and {tiled[n] for n in differ} == {80}
+
+
 def test_dry_run_speed_weights_and_flops_match_independent_counts(dry):
     results, _, _ = dry
     ranks = results["parts"]["trainer_sd15"]["result"]["ranks"]
@@ -157,6 +170,7 @@ def test_dry_run_speed_weights_and_flops_match_independent_counts(dry):
                     **{f"slim {r}": _slim_params(cfg, r) for r in (0.75, 0.5, 0.25)}}
         if family == "sd15":
             expected["slim allocated"] = _slim_params(cfg, ranks=ranks)
+            expected["slim 5/16"] = _slim_params(cfg, 5 / 16)
         for name, n in expected.items():
             assert res["weight_gib"][name] * GIB == 2 * n, name                    # fp16
         assert 0.5 < res["weight_gib"]["original fp8"] / res["weight_gib"]["original"] < 0.75
@@ -216,8 +230,35 @@ def test_plot_script_draws_the_seed_curves_from_results_json(dry, tmp_path):
     import gpu_plots
     results, _, _ = dry
     written = gpu_plots.plot_all(results, tmp_path)
-    assert [p.name for p in written] == ["seed_device.png", "seed_allocated.png", "device_error.png"]
-    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    assert [p.name for p in written] == ["seed_device.png", "seed_allocated.png", "device_error.png", "vram.md"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written[:3])
+    table = written[3].read_text()
+    points = [(c["name"], p["batch"]) for c in results["parts"]["seed_study"]["result"]["curves"] for p in c["points"]]
+    assert points and all(f"| {name} | {batch} |" in table for name, batch in points)
+
+
+def test_plots_of_a_first_run_results_file_with_todays_estimate(dry, tmp_path):
+    """The first GPU run's results.json (older names: part ``vram_study``, NVML polled as ``nvml_peak_gib``) is read
+    in today's names, and ``--estimate`` re-estimates its curves here: the same estimator on the same settings as
+    the dry run's own vram_estimate part gives the same allocated peaks."""
+    pytest.importorskip("matplotlib")
+    import copy
+    import gpu_plots
+    results, _, _ = dry
+    first = next(c for c in results["parts"]["seed_study"]["result"]["curves"] if len(c["points"]) > 1)
+    old_points = [{k: v for k, v in p.items() if k != "nvml_end_gib"} | {"nvml_peak_gib": 1.0 + i}
+                  for i, p in enumerate(first["points"])]
+    older = {"parts": {"vram_study": {"status": "ok", "result": {"curves": [dict(copy.deepcopy(first),
+                                                                                points=old_points)]}}}}
+    now = gpu_plots.estimate_here(gpu_plots.current_names(older))
+    assert [p["nvml_end_gib"] for p in now["parts"]["seed_study"]["result"]["curves"][0]["points"]] == \
+        [1.0 + i for i in range(len(old_points))]
+    own = {p["batch"]: p for c in results["parts"]["vram_estimate"]["result"]["curves"] if c["name"] == first["name"]
+           for p in c["points"]}
+    here = now["parts"]["vram_estimate"]["result"]["curves"][0]["points"]
+    assert here and all(p["peak_gib"] == own[p["batch"]]["peak_gib"] for p in here)
+    written = gpu_plots.plot_all(now, tmp_path)
+    assert {p.name for p in written} == {"seed_device.png", "seed_allocated.png", "device_error.png", "vram.md"}
 
 
 def test_failing_dying_and_hanging_parts_are_recorded_and_the_suite_goes_on(runs):

@@ -8,6 +8,7 @@ import torch
 
 from conftest import randomize_, tiny_config
 from sdslim_core import layout
+from sdslim_core.apps.breakdown import canonical_shapes_for_arch
 from sdslim_core.io import adapters
 from sdslim_core.layout import rank_policy
 from sdslim_core.modules import swap
@@ -226,6 +227,33 @@ def test_ratio_ranks_overrides_and_groups():
     assert {layout.site_kind(s) for s in only_ff} == {"ff"}
     with pytest.raises(ValueError):
         TrainConfig(ratio=0.5, budget="1M")
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sd2", "sdxl"])
+def test_every_candidate_rank_of_a_real_unet_is_tensor_core_tiled_and_whole_groups(arch):
+    """Guards GPU time: the allocator picks ranks from this grid, and a 320-wide ResBlock at 1/16, 3/16, 5/16 of its
+    width used to get 20/60/100 channels (whole groups of 10, but not the multiples of 8 fp16 tensor cores take).
+    Every default grid rank, and the ranks of other ratios, of SD1.5/SD2/SDXL is a multiple of 8 and, for Res, of
+    the site's norm2 group size; the grid still offers at least 7 ranks at every site."""
+    shapes, _ = canonical_shapes_for_arch(arch)
+    for site in layout.sites(shapes):
+        grid = ranks_mod.rank_grid(site, TrainConfig().rank_grid + (0.3, 0.33, 0.6))
+        assert len(grid) >= 7, (site.name, grid)
+        for r in grid:
+            assert r % 8 == 0, (site.name, r)
+            if site.kind == "res":
+                assert r % rank_policy.group_size(site.width) == 0, (site.name, r)
+    res320 = next(s for s in layout.sites(shapes) if s.kind == "res" and s.width == 320)
+    assert ranks_mod.rank_grid(res320, TrainConfig().rank_grid) == [40, 80, 120, 160, 200, 240, 280]
+
+
+def test_narrow_widths_keep_the_fine_rank_grid():
+    """Tiling applies only where a width holds 8 steps of it: 32-wide blocks (the tiny test models') keep ranks in
+    single channels, where an 8-channel step would leave three candidate ranks."""
+    assert rank_policy.rank_step(32, "res") == 1 and rank_policy.rank_for_ratio(32, 3 / 16, "res") == 6
+    assert rank_policy.rank_step(64, "res") == 8 and rank_policy.rank_step(320, "res") == 40
+    assert rank_policy.rank_step(1280, "ff") == 8 and rank_policy.rank_for_ratio(1280, 0.33, "ff") == 424
+    assert rank_policy.rank_step(48, "ff") == 1 and rank_policy.rank_for_ratio(48, 0.5, "ff") == 24
 
 
 def test_budget_allocation_spends_where_error_falls_fastest():

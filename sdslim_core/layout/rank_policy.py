@@ -3,6 +3,11 @@
 GroupNorm rule (:func:`res_groups`): every SD ResBlock's ``norm2`` has 32 groups, so a c-wide site has groups of
 c/32 channels. A Res bottleneck keeps whole groups (its rank is a multiple of c/32 and its norm has rank/(c/32)
 groups): kept channels are then normalised over exactly the channels the teacher normalises them with.
+
+Tensor-core rule (:func:`rank_step`): fp16/bf16 tensor cores take GEMM and convolution dimensions in multiples of 8
+(16 bytes); a narrower or odd dimension is padded or runs a slower kernel. Ranks are therefore multiples of 8 too
+(for Res: of lcm(8, c/32), e.g. 40 at every SD ResBlock width) wherever the width holds at least
+``MIN_TILED_STEPS`` such steps, which every SD1.x/2.x/XL site does (the smallest, a 320-wide ResBlock, has 8).
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from typing import Iterable
 from .. import layout
 
 DEFAULT_GROUPS = 32                   # GroupNorm groups of every SD1.x/2.x/XL ResBlock norm2
+TENSOR_TILE = 8                       # fp16/bf16 tensor cores: GEMM/conv dimensions in multiples of 8 elements
+MIN_TILED_STEPS = 8                   # tile ranks only where the width holds at least this many rank steps
 
 
 def norm_groups_for(rank: int, preferred: int = DEFAULT_GROUPS) -> int:
@@ -31,16 +38,23 @@ def res_groups(width: int, rank: int) -> int:
     return rank // k if rank % k == 0 else norm_groups_for(rank)
 
 
+def rank_step(width: int, kind: str) -> int:
+    """The multiple a site's ranks are rounded to: whole ``norm2`` groups for Res (``group_size(width)``), and a
+    multiple of ``TENSOR_TILE`` as well (the lcm of the two) where the width is a multiple of that and holds at
+    least ``MIN_TILED_STEPS`` of it (narrower widths, e.g. the tiny test models', keep the finer grid)."""
+    k = group_size(width) if kind == "res" else 1
+    tiled = k * TENSOR_TILE // math.gcd(k, TENSOR_TILE)
+    return tiled if width % tiled == 0 and width // tiled >= MIN_TILED_STEPS else k
+
+
 def rank_for_ratio(width: int, ratio: float, kind: str) -> int:
-    """Bottleneck width for a width fraction. Res ranks are rounded to whole ``norm2`` groups (a multiple of
-    ``group_size(width)``, at least one group), so the bottleneck can keep the teacher's normalisation."""
+    """Bottleneck width for a width fraction, rounded to the nearest multiple of :func:`rank_step` (at least one
+    step): Res ranks are whole ``norm2`` groups, so the bottleneck can keep the teacher's normalisation, and ranks
+    at SD's widths are tensor-core tiles (320 × 3/16 = 60 becomes 80)."""
     if not 0 < ratio <= 1:
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-    r = max(1, int(round(width * ratio)))
-    if kind == "res":
-        k = group_size(width)
-        r = min(width, k * max(1, int(round(r / k))))
-    return r
+    step = rank_step(width, kind)
+    return min(width, step * max(1, int(round(width * ratio / step))))
 
 
 def ranks_for_ratio(site_list: Iterable[layout.Site], ratio: float | None = None, ff_ratio: float | None = None,

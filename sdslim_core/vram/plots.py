@@ -26,7 +26,7 @@ def figure_curves(curves, title, overlay=(), overlay_label="estimate", ylabel="p
                     label=c["name"])
             if c["name"] in over:
                 opts = over[c["name"]]["points"]
-                ax.plot([p["batch"] for p in opts], [p["peak_gib"] for p in opts], "--", color=color, lw=1.0)
+                ax.plot([p["batch"] for p in opts], [p["peak_gib"] for p in opts], "x--", color=color, lw=1.0, ms=4)
         if limit is not None:
             ax.axhline(limit[0], color="tab:red", lw=1.2, ls="-", label=limit[1])
         if group or len(groups) > 1:
@@ -36,7 +36,7 @@ def figure_curves(curves, title, overlay=(), overlay_label="estimate", ylabel="p
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     if over:
-        axes[0][0].plot([], [], "k--", lw=1.0, label=overlay_label)
+        axes[0][0].plot([], [], "kx--", lw=1.0, ms=4, label=overlay_label)
         axes[0][0].legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()

@@ -74,6 +74,9 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     recipe = recipe or "full"
     start = paths.resolve(folder_paths, start_from) if start_from and start_from != specs.NO_START else None
     stored = {"adapter_dtype": adapter_dtype} if adapter_dtype else {}
+    if start is not None and budget and budget.strip():
+        raise ValueError("sdslim: start_from keeps that file's sites and ranks, so it takes no budget: clear "
+                         "'budget'")
     if recipe == "data-free":
         if start is not None or (budget and budget.strip()):
             raise ValueError("sdslim: the data-free recipe takes only 'ratio' (no budget, no start_from): it "

@@ -796,6 +796,10 @@ def test_train_node_recipes_and_start_from_adapters(pack, model, tmp_path):
     assert node["start_from"][0] == ["(none)", "df.safetensors", "df32.safetensors"]
     g = torch.Generator().manual_seed(0)
     positive = [[torch.randn(1, 77, 64, generator=g), {}]]
+    with pytest.raises(ValueError, match=r"^sdslim: start_from keeps .* clear 'budget'$"):     # in the node's words
+        training.run(patcher, "refit", ratio=0.5, steps=2, seed=0, positive=positive, latent_size=4,
+                     start_from="df.safetensors", budget="1M")
+    assert not (tmp_path / "sdslim" / "refit.safetensors").exists()
     text = training.run(patcher, "refit", ratio=0.5, steps=2, seed=0, positive=positive, latent_size=4,
                         start_from="df.safetensors")
     refit = adapters.AdapterSet.load(tmp_path / "sdslim" / "refit.safetensors")

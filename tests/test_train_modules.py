@@ -256,6 +256,16 @@ def test_narrow_widths_keep_the_fine_rank_grid():
     assert rank_policy.rank_step(48, "ff") == 1 and rank_policy.rank_for_ratio(48, 0.5, "ff") == 24
 
 
+def test_a_damaged_rank_allocation_names_the_work_folder_in_words_every_host_can_act_on(tmp_path):
+    """A resumed run (the hosts resume automatically) whose ranks.json is damaged: the error names the file and the
+    work folder to delete, not only the CLI's --resume."""
+    from types import SimpleNamespace
+    (tmp_path / "ranks.json").write_text('{"ranks": {"a": ')
+    session = SimpleNamespace(work_dir=tmp_path, resume=True, say=print)
+    with pytest.raises(ValueError, match=r"ranks\.json is damaged .*delete the work folder .*" + tmp_path.name):
+        ranks_mod._recorded(session)
+
+
 def test_budget_allocation_spends_where_error_falls_fastest():
     shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(tiny_config(), device="meta")).items()}
     site_list = [s for s in layout.sites(shapes) if s.kind == "ff"][:2]

@@ -264,7 +264,7 @@ def _recorded(session: "Session") -> tuple[dict, dict] | None:
         ranks = {str(k): int(v) for k, v in raw["ranks"].items()}
         info = dict(raw["info"])
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"--resume: {path} is damaged ({err}); run without --resume to start over, or use another "
-                         "--work-dir") from None
+        raise ValueError(f"the work folder's rank allocation {path} is damaged ({err}): delete the work folder "
+                         f"{session.work_dir} to start over (or, in the CLI, run without --resume)") from None
     session.say(f"rank allocation: {len(ranks)} sites slimmed, as recorded in {path} (not measured again)")
     return ranks, info

@@ -266,6 +266,48 @@ def test_a_damaged_rank_allocation_names_the_work_folder_in_words_every_host_can
         ranks_mod._recorded(session)
 
 
+def test_the_8gb_check_picks_the_fewest_stage2_groups_that_fit_and_names_the_device_that_would(monkeypatch):
+    """``device_fit`` on SDXL's real sites at uniform 0.5, with the estimator's numbers given: here stage 2's
+    reserve is linear in the trained group's adapter parameters (states and buffers: ``per`` GiB each, on a fixed
+    ``floor``), so the check, which estimates all-in-one and the largest of 8 groups and places the others between,
+    must give every g exactly the reserve of the largest group ``split_groups`` makes; it picks the fewest groups
+    that fit, or says which phase is over and the device size the run needs."""
+    from types import SimpleNamespace
+    from sdslim_core.train import device_fit as fit_mod, stage2
+    shapes, cfg = canonical_shapes_for_arch("sdxl")
+    site_list = layout.sites(shapes)
+    ranks = rank_policy.ranks_for_ratio(site_list, 0.5)
+    session = SimpleNamespace(site_list=site_list, site_order=[s.name for s in site_list], cfg=cfg,
+                              tc=TrainConfig(), latent_size=128, device=torch.device("cpu"), optimizer_name="adamw8bit")
+    size = {s.name: ranks_mod.adapter_param_count([s], ranks) for s in site_list}
+    per = 13 / 2 ** 30                                   # more than the 10 B/param of the states alone
+
+    def reserve(floor, sites):
+        return floor + per * sum(size[s] for s in sites)
+
+    for calib, floor, device in ((3.0, 6.0, 8.0), (3.0, 6.0, 24.0), (9.0, 6.0, 8.0), (3.0, 0.5, 8.0)):
+        def predict(*a, train_sites=None, **k):
+            r = reserve(floor, train_sites or size)
+            est = {"stage2": {"reserved_gib": r, "peak_gib": r}, "calibration": {"reserved_gib": calib,
+                                                                               "peak_gib": calib}}
+            return {"peak_gib": 1.0, "estimator": est, "stages_gib": {"stage1": 2.0}}
+        monkeypatch.setattr(fit_mod, "predict", predict)
+        got = fit_mod.device_fit(session, ranks, device, context_gib=1.0, optimizer="adamw8bit")
+        peaks = {g: reserve(floor, max(stage2.split_groups(session.site_order, size, g),
+                                       key=lambda grp: sum(size[s] for s in grp))) + 1.0
+                 for g in range(1, fit_mod.MAX_GROUPS + 1)}
+        assert all(abs(got["stage2_gib_by_groups"][g] - peaks[g]) < 1e-6 for g in peaks), (got, peaks)
+        fixed = max(calib, 2.0) + 1.0
+        fits = [g for g in peaks if max(peaks[g], fixed) <= device]
+        assert got["groups"] == (fits[0] if fits else None)
+        if not fits:
+            assert abs(got["needs_gib"] - max(fixed, min(peaks.values()))) < 1e-6
+            assert f"needs a device of {got['needs_gib']:.1f} GiB" in got["text"]
+            assert ("calibration alone needs" in got["text"]) == (fixed > device)
+        else:
+            assert got["text"].startswith(f"fits {device:g} GiB with --stage2-groups {fits[0]}")
+
+
 def test_budget_allocation_spends_where_error_falls_fastest():
     shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(tiny_config(), device="meta")).items()}
     site_list = [s for s in layout.sites(shapes) if s.kind == "ff"][:2]

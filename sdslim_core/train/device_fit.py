@@ -2,9 +2,10 @@
 
 The predicted device peak of a phase is the VRAM estimator's caching-allocator reserve (``vram/allocator.py``)
 plus the CUDA context (a measured, per-device input: ``vram.allocator.DEFAULT_CONTEXT_GIB`` unless given). Stage 2
-is the knob: training its sites in more groups keeps fewer adapters (with their gradients and optimizer states)
-on the device at once. The estimator runs once, with every site in one group; a split into ``g`` groups lowers
-stage 2's peak by the adapter bytes of the sites outside the largest group (:func:`stage2.largest_group`).
+is the knob: training its sites in more groups keeps fewer adapters (with their gradients, optimizer states and
+train-time buffers) on the device at once. The estimator runs with every site in one group and, when that does
+not fit, again with the largest of :data:`MAX_GROUPS` groups trained (:func:`stage2.largest_group`); a split into
+``g`` groups is placed between the two, linear in the adapter parameters of its largest group.
 Calibration (the teacher sampling 4 trajectories with CFG at once) and stage 1 (one site) have no such knob.
 """
 from __future__ import annotations
@@ -24,10 +25,23 @@ def cuda_optimizer() -> str:
     return "adamw" if optional.missing("bitsandbytes", "8-bit AdamW") else "adamw8bit"
 
 
+def _per_param_gib(session, ranks, optimizer, context, stage2_all, kept) -> float | None:
+    """GiB of stage 2's device peak per adapter parameter of the trained group, from a second estimator run with
+    only the largest of :data:`MAX_GROUPS` groups trained (its sites' train-time buffers shrink with the group as
+    well as their weights, gradients and optimizer states: SDXL at 0.5, 34.2 → 10.9 GiB where the states alone
+    say 14.1); None when that run gives nothing."""
+    few = predict(session.cfg, ranks, session.tc, session.latent_size, optimizer, grad_ckpt=True,
+                  train_sites=largest_group(session, ranks, MAX_GROUPS))
+    if few.get("peak_gib") is None:
+        return None
+    return (stage2_all - few["estimator"]["stage2"]["reserved_gib"] - context) / (kept[1] - kept[MAX_GROUPS])
+
+
 def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float | None = None,
                optimizer: str | None = None) -> dict:
     """The fewest stage-2 groups (up to :data:`MAX_GROUPS`) whose predicted device peak fits ``device_gib``, with
-    each phase's predicted device peak; ``groups`` is None when no split fits (the text says which phase is over)."""
+    each phase's predicted device peak; ``groups`` is None when no split fits (the text says which phase is over,
+    and the smallest device the run fits: ``needs_gib`` with ``needs_groups``)."""
     context = DEFAULT_CONTEXT_GIB if context_gib is None else context_gib
     optimizer = optimizer or (session.optimizer_name if session.device.type == "cuda" else cuda_optimizer())
     info = predict(session.cfg, ranks, session.tc, session.latent_size, optimizer, grad_ckpt=True)
@@ -38,15 +52,17 @@ def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float
     stage2_all = est["stage2"]["reserved_gib"] + context
     calibration = est["calibration"]["reserved_gib"] + context
     stage1 = info["stages_gib"]["stage1"] + context
-    per_param = 4 + 4 + optimizer_bytes_per_param(optimizer)
-    everything = adapter_param_count(session.site_list, ranks)
-    by_groups = {}
-    for g in range(1, MAX_GROUPS + 1):
-        group = largest_group(session, ranks, g)
-        kept = adapter_param_count([s for s in session.site_list if s.name in group], ranks)
-        by_groups[g] = stage2_all - (everything - kept) * per_param / GIB
+    kept = {g: adapter_param_count([s for s in session.site_list if s.name in largest_group(session, ranks, g)],
+                                   ranks) for g in range(1, MAX_GROUPS + 1)}
+    per_param = _per_param_gib(session, ranks, optimizer, context, stage2_all, kept) \
+        if stage2_all > device_gib and kept[MAX_GROUPS] < kept[1] else None
+    if per_param is None:                      # the group's weights, gradients and optimizer states alone
+        per_param = (4 + 4 + optimizer_bytes_per_param(optimizer)) / GIB
+    by_groups = {g: stage2_all - (kept[1] - n) * per_param for g, n in kept.items()}
     fixed = max(calibration, stage1)
     groups = next((g for g, v in by_groups.items() if max(v, fixed) <= device_gib), None)
+    least = min(by_groups, key=lambda g: (round(by_groups[g], 3), g))    # the fewest groups at the lowest peak
+    needs = max(fixed, by_groups[least])
     what = (f"predicted device peak (allocator reserve + {context:.2f} GiB CUDA context; {optimizer}, grad ckpt, "
             f"batch {session.tc.stage2_batch}): calibration {calibration:.2f}, stage 1 {stage1:.2f}, stage 2 "
             + ", ".join(f"{g} group{'s' if g > 1 else ''} {v:.2f}" for g, v in list(by_groups.items())[:4]) + " GiB")
@@ -57,7 +73,10 @@ def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float
                    f"needs {fixed:.2f} GiB")
     else:
         verdict = f"does not fit {device_gib:g} GiB with up to {MAX_GROUPS} stage-2 groups"
+    if groups is None:
+        verdict += f" (it needs a device of {needs:.1f} GiB, with --stage2-groups {least})"
     return {"device_gib": device_gib, "context_gib": context, "optimizer": optimizer, "groups": groups,
+            "needs_gib": needs, "needs_groups": least,
             "calibration_gib": calibration, "stage1_gib": stage1, "stage2_gib_by_groups": by_groups,
             "allocated": {"calibration": est["calibration"]["peak_gib"], "stage2_all": est["stage2"]["peak_gib"]},
             "text": f"{verdict}; {what}"}

@@ -232,7 +232,8 @@ def _trainer(r) -> list:
                                                                       for k in ("quick", "full")))
     row("8 GB check (the plan's)", lambda t: t["fit_8gb"]["text"])
     row("run: sites, stage-2 groups", lambda t: f"{t['run']['sites']}, {t['run']['stage2_groups']}")
-    row("run: device limit GiB", lambda t: _f(t["run"]["limit_gib"]))
+    row("run: device / torch limit GiB", lambda t: f"{_f(t['run'].get('device_gib', 8.0))} / "
+        f"{_f(t['run']['limit_gib'])}")
     for ph in ("setup", "calibration", "capture", "rank curves", "init", "stage1", "stage2"):
         row(f"{ph}: allocated / reserved / device GiB",
             lambda t, ph=ph: f"{_f(t['run']['phases_gib'][ph]['allocated'])} / "
@@ -240,7 +241,7 @@ def _trainer(r) -> list:
     row("predicted device GiB: calibration / stage 1 / stage 2",
         lambda t: f"{_f(t['fit_8gb']['calibration_gib'])} / {_f(t['fit_8gb']['stage1_gib'])} / "
         f"{_f(t['fit_8gb']['stage2_gib_by_groups'][str(t['run']['stage2_groups'])])}")
-    row("fits 8 GiB (measured)", lambda t: t["run"]["fits_8gb"])
+    row("fits that device (measured)", lambda t: t["run"].get("fits_device", t["run"].get("fits_8gb")))
     row("steps/s stage 1 / stage 2", lambda t: f"{_f(t['run']['steps_per_s'].get('stage1'))} / "
         f"{_f(t['run']['steps_per_s'].get('stage2'))}")
     row("s/step plan vs measured: stage 1, stage 2",

@@ -82,7 +82,8 @@ PLAN = (
          "sites, original vs slim 0.5/0.25 and candidates", 20, 17),
     Part("sampling_vram", "vram", "sampling VRAM SD1.5 512² / SDXL 1024²: original, slim 0.5, fp8, GGUF Q8_0/Q4_0 "
          "kept quantised; UNet at CFG batch 2 + VAE decode", 30, 20, fresh=True),
-    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5, the 8 GB check's stage-2 groups)",
+    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5; the check predicts no fit in 8 GiB, so "
+         "the run is limited to the device size it names, with its stage-2 groups)",
          110, 80),
     Part("speed_compile", "speed", "torch.compile(mode='reduce-overhead'): SD1.5 512² B=1 original vs slim 0.5",
          240, 0, dry_cap_s=300, optional=True),

@@ -8,9 +8,9 @@ Per family, in one part:
    environment part measured);
 2. a run at tiny step counts with the default recipe's ranks (SD1.5: the anchored allocation at ratio 0.5, as by
    default; SDXL: every site at uniform 0.5, the same parameter count without the allocation's ~100 extra UNet
-   forwards) and the stage-2 groups of step 1, under an 8 GiB device limit
-   (``torch.cuda.set_per_process_memory_fraction`` at 8 GiB less the measured context: the allocator then frees
-   and fails as on an 8 GB card); per phase torch's allocated/reserved peak and the derived device peak
+   forwards) and the stage-2 groups of step 1, under an 8 GiB device limit, or where step 1 says the run does not
+   fit 8 GiB, the device size it names (:func:`run_device`; ``torch.cuda.set_per_process_memory_fraction`` at that
+   size less the measured context: the allocator then frees and fails as on a card of that size); per phase torch's allocated/reserved peak and the derived device peak
    (reserved + context), steps/s of both stages, next to the prediction of step 1 and the plan's step costs.
 """
 from __future__ import annotations
@@ -120,18 +120,18 @@ def trainer(ctx: Context, family: str) -> dict:
     del session
     ctx.partial(out)
 
-    # 2. the run, under the 8 GiB device limit
-    groups = fit.get("groups") or (3 if family == "sdxl" else 1)
+    # 2. the run, under the device limit the check names
+    device_gib, groups = run_device(fit, family)
     tc = run_config(family, ctx.dry, ctx.work, ctx.log, groups)
     peaks = PhasePeaks(cuda)
     limit = None
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
-        limit = DEVICE_GIB * GIB - (context if context is not None else DEFAULT_CONTEXT_GIB) * GIB
+        limit = device_gib * GIB - (context if context is not None else DEFAULT_CONTEXT_GIB) * GIB
         torch.cuda.set_per_process_memory_fraction(limit / total)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    out["run"] = {"stage2_groups": groups, "limit_gib": None if limit is None else limit / GIB,
+    out["run"] = {"stage2_groups": groups, "device_gib": device_gib, "limit_gib": None if limit is None else limit / GIB,
                   "config": {k: getattr(tc, k) for k in ("ratio", "uniform", "stage1_steps", "stage2_steps",
                                                          "n_trajectories", "sample_steps", "init_methods",
                                                          "alloc_inputs")}}
@@ -162,13 +162,24 @@ def trainer(ctx: Context, family: str) -> dict:
         out["ranks"] = dict(result.adapters.ranks())
     if cuda and context is not None:
         run["device_derived_gib"] = {k: v["reserved"] + context for k, v in peaks.gib.items()}
-        run["fits_8gb"] = max(run["device_derived_gib"].values()) <= DEVICE_GIB
+        run["fits_device"] = max(run["device_derived_gib"].values()) <= device_gib
     s1, s2 = run["steps_per_s"].get("stage1"), run["steps_per_s"].get("stage2")
     run["plan_vs_measured"] = {"stage1_step_s": [out["plan"]["stage1_step_s_median"], 1 / s1 if s1 else None],
                                "stage2_step_s": [out["plan"]["stage2_step_s"], 1 / s2 if s2 else None]}
     if not cuda:
         out["skipped"] = ["dry run: no CUDA allocator counters or device limit on the CPU (phase peaks n/a)"]
     return out
+
+
+def run_device(fit: dict, family: str) -> tuple[float, int]:
+    """(device GiB, stage-2 groups) the run is limited to: 8 GiB and the check's groups where it fits; else the
+    device the check says the run needs, with 0.5 GiB to spare, rounded up to a whole GiB (SDXL: 12), and its groups;
+    8 GiB and a default split when the check gave nothing."""
+    if fit.get("groups"):
+        return DEVICE_GIB, fit["groups"]
+    if fit.get("needs_gib"):
+        return float(math.ceil(fit["needs_gib"] + 0.5)), fit["needs_groups"]
+    return DEVICE_GIB, 3 if family == "sdxl" else 1
 
 
 def _median(xs):

@@ -187,6 +187,13 @@ def test_dry_run_speed_weights_and_flops_match_independent_counts(dry):
         assert rec["ms"]["site"].get("GEMM/conv", 0) > 0 and rec["ms"]["other"].get("attention", 0) > 0, name
 
 
+def test_the_trainer_part_limits_a_run_that_does_not_fit_8gb_to_the_device_the_check_names():
+    import gpu_trainer
+    assert gpu_trainer.run_device({"groups": 2, "needs_gib": 7.1, "needs_groups": 1}, "sd15") == (8.0, 2)
+    assert gpu_trainer.run_device({"groups": None, "needs_gib": 10.91, "needs_groups": 8}, "sdxl") == (12.0, 8)
+    assert gpu_trainer.run_device({"error": "x"}, "sdxl") == (8.0, 3)
+
+
 def test_dry_run_trainer_reaches_every_phase_with_its_plan(dry):
     results, _, _ = dry
     sites = {f: layout.sites(canonical_shapes(gpu_parts.tiny_config(f))) for f in ("sd15", "sdxl")}

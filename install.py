@@ -1,18 +1,26 @@
-"""AUTOMATIC1111 installer: pip-installs what SD Slim needs from requirements.txt through the webui's helpers.
+"""Installer for both hosts: pip-installs what SD Slim needs from requirements.txt, within the host's environment.
 
-The webui runs this file at start-up and after an install from the Extensions tab, with its own ``launch``
-module importable. It only adds packages: each pip call is constrained to the versions already installed
+AUTOMATIC1111 runs this file at start-up and after an install from the Extensions tab, with its own ``launch``
+module importable (pip runs through its helpers). ComfyUI-Manager runs it too, in ComfyUI's Python, after it has
+pip-installed requirements.txt line by line without the caps below: there is no ``launch`` then, and pip runs as
+``python -m pip``; a release it installed past a cap is replaced here. It only adds packages: each pip call is constrained to the versions already installed
 (:func:`installed_pins`), so pip picks releases that fit the webui's pins (with webui v1.10.1 a diffusers that
 works with its huggingface_hub and safetensors) or fails, and never changes one of the webui's packages. torch,
 torchvision, torchaudio and xformers are never installed: the webui owns them. Releases that need a newer torch
 than the installed one are left out (:data:`TORCH_CAPS`), so what is added imports on the webui's own torch (with
 webui v1.10.1's torch 2.1.2: diffusers 0.35, lycoris-lora 4.0).
 """
+import importlib.metadata
 import os
 import re
+import subprocess
+import sys
 import tempfile
 
-import launch
+try:
+    import launch                       # the webui's
+except ImportError:                     # ComfyUI-Manager: ComfyUI's Python, no webui
+    launch = None
 
 REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "requirements.txt")
 WEBUI_OWNED = {"torch", "torchvision", "torchaudio", "xformers"}
@@ -64,18 +72,39 @@ def needed(name, line):
         from packaging.requirements import Requirement
         from packaging.specifiers import SpecifierSet
     except ImportError:     # cannot read versions or markers: presence is all that can be checked
-        return None if launch.is_installed(name) else line
+        return None if is_installed(name) else line
     req = Requirement(line)
     if req.marker is not None and not req.marker.evaluate():
         return None
     specifier = req.specifier & SpecifierSet(torch_caps(req.name))
     target = f"{req.name}{specifier}"
-    if not launch.is_installed(name):
+    if not is_installed(name):
         return target
     try:
         return None if specifier.contains(version(name), prereleases=True) else target
     except PackageNotFoundError:    # importable under that name but not an installed distribution
         return None
+
+
+def is_installed(name):
+    """Whether distribution ``name`` is installed (the webui's own check where it runs this file)."""
+    if launch is not None:
+        return launch.is_installed(name)
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def pip_install(target, constraints):
+    """``pip install target -c constraints``: through the webui's ``launch.run_pip``, else ``python -m pip``."""
+    desc = f"SD Slim requirement: {target}"
+    if launch is not None:
+        launch.run_pip(f'install "{target}" -c "{constraints}"', desc)
+        return
+    print(desc, flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", target, "-c", constraints], check=True)
 
 
 def _canonical(name):
@@ -112,7 +141,7 @@ def main(path=REQUIREMENTS):
                 continue
             with open(constraints, "w", encoding="utf8") as f:
                 f.write("".join(pin + "\n" for pin in installed_pins(except_name=name)))
-            launch.run_pip(f'install "{target}" -c "{constraints}"', f"SD Slim requirement: {target}")
+            pip_install(target, constraints)
 
 
 if __name__ == "__main__":

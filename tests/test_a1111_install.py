@@ -41,7 +41,7 @@ def test_installs_missing_or_too_old_requirements_never_torch(install, tmp_path)
 
 
 def _dist(site, name, version):
-    info = site / f"{name}-{version}.dist-info"
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"      # the normalised name, as pip writes it
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
@@ -116,6 +116,58 @@ def test_releases_that_do_not_import_on_the_installed_torch_are_left_out_or_repl
             spec = targets[name]
             assert spec.contains(newest) and spec.contains(oldest), (name, spec)
             assert not spec.contains(first_failing) and not spec.contains(installed), (name, spec)
+
+
+@pytest.fixture
+def install_in_comfyui(monkeypatch):
+    """install.py as ComfyUI-Manager runs it: in ComfyUI's Python, where no ``launch`` module exists; pip calls
+    recorded instead of run."""
+    monkeypatch.setitem(sys.modules, "launch", None)            # `import launch` raises ImportError
+    spec = importlib.util.spec_from_file_location("sdslim_install_comfy", os.path.join(ROOT, "install.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = []
+    monkeypatch.setattr(module.subprocess, "run", lambda cmd, check: calls.append(cmd))
+    return module, calls
+
+
+def test_in_comfyui_manager_a_release_past_a_torch_cap_is_replaced_through_python_m_pip(
+        install_in_comfyui, tmp_path, monkeypatch):
+    """ComfyUI-Manager pip-installs requirements.txt line by line without the caps, then runs install.py: on torch
+    2.1.2 the diffusers 0.37.1 it installed cannot import, so install.py replaces it through ``python -m pip``,
+    constrained to the installed versions like the webui path; lycoris-lora 4.0.0 (within its cap) is kept."""
+    from packaging.requirements import Requirement
+    module, calls = install_in_comfyui
+    assert module.launch is None
+    site = tmp_path / "site"
+    for name, version in (("torch", "2.1.2"), ("diffusers", "0.37.1"), ("lycoris-lora", "4.0.0"), ("psutil", "5.9")):
+        _dist(site, name, version)
+    monkeypatch.syspath_prepend(str(site))
+    req = tmp_path / "requirements.txt"
+    req.write_text("diffusers>=0.27\nlycoris-lora>=3\npsutil\n")
+    module.main(str(req))
+    assert len(calls) == 1 and calls[0][:4] == [sys.executable, "-m", "pip", "install"] and calls[0][5] == "-c"
+    target = Requirement(calls[0][4])
+    assert target.name == "diffusers" and "0.35.2" in target.specifier and "0.36.0" not in target.specifier
+    assert not os.path.exists(calls[0][6])                       # the constraints file is removed afterwards
+
+
+def test_install_py_runs_as_comfyui_manager_runs_it():
+    """``python install.py`` in the repository folder with this Python (which has no webui ``launch`` module and
+    every requirement installed by tools/setup.sh): it exits 0 without calling pip (PIP_NO_INDEX would fail one)."""
+    run = subprocess.run([sys.executable, "install.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PIP_NO_INDEX="1"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "SD Slim requirement" not in run.stdout
+
+
+def test_every_line_of_requirements_txt_installs_on_its_own():
+    """Some installers (ComfyUI-Manager releases before mid-2025, scripts) pip-install each line as it is, inline
+    comment included; pip refuses 'matplotlib  # plots'. Every line is a comment or a plain requirement."""
+    from packaging.requirements import Requirement
+    with open(os.path.join(ROOT, "requirements.txt"), encoding="utf8") as f:
+        lines = [line.strip() for line in f if line.strip() and not line.strip().startswith("#")]
+    assert lines and all(Requirement(line) for line in lines)
 
 
 def test_bad_requirement_lines_name_file_and_line(install, tmp_path):

@@ -29,12 +29,13 @@ def _per_param_gib(session, ranks, optimizer, context, stage2_all, kept) -> floa
     """GiB of stage 2's device peak per adapter parameter of the trained group, from a second estimator run with
     only the largest of :data:`MAX_GROUPS` groups trained (its sites' train-time buffers shrink with the group as
     well as their weights, gradients and optimizer states: SDXL at 0.5, 34.2 → 10.9 GiB where the states alone
-    say 14.1); None when that run gives nothing."""
+    say 14.1); None when that run gives nothing usable."""
     few = predict(session.cfg, ranks, session.tc, session.latent_size, optimizer, grad_ckpt=True,
                   train_sites=largest_group(session, ranks, MAX_GROUPS))
     if few.get("peak_gib") is None:
         return None
-    return (stage2_all - few["estimator"]["stage2"]["reserved_gib"] - context) / (kept[1] - kept[MAX_GROUPS])
+    per = (stage2_all - few["estimator"]["stage2"]["reserved_gib"] - context) / (kept[1] - kept[MAX_GROUPS])
+    return per if per > 0 else None
 
 
 def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float | None = None,

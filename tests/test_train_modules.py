@@ -308,6 +308,21 @@ def test_the_8gb_check_picks_the_fewest_stage2_groups_that_fit_and_names_the_dev
             assert got["text"].startswith(f"fits {device:g} GiB with --stage2-groups {fits[0]}")
 
 
+def test_plan_only_checks_the_cuda_devices_own_memory_by_default(monkeypatch):
+    """On a CUDA run --plan-only's check is for the card the user has (a 6 GB card is told about 6 GiB, not 8);
+    on the CPU there is no check unless --fit-gib asks for one."""
+    from types import SimpleNamespace
+    from sdslim_core.train import device_fit as fit_mod
+    seen = []
+
+    def props(device):
+        seen.append(device)
+        return SimpleNamespace(total_memory=6 * 2 ** 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    assert fit_mod.default_device_gib("cuda:1") == 6.0 and seen == [torch.device("cuda:1")]
+    assert fit_mod.default_device_gib(torch.device("cpu")) == 0.0
+
+
 def test_budget_allocation_spends_where_error_falls_fastest():
     shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(tiny_config(), device="meta")).items()}
     site_list = [s for s in layout.sites(shapes) if s.kind == "ff"][:2]

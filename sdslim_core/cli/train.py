@@ -101,7 +101,8 @@ def register(subparsers):
     o.add_argument("--plan-only", action="store_true", help="print the cost plan and exit without training")
     o.add_argument("--fit-gib", type=float, default=None,
                    help="--plan-only also names the stage-2 groups that train within a device of this many GiB, by the "
-                        "predicted whole-device peak (default: 8 when the run would train on CUDA; 0: skip)")
+                        "predicted whole-device peak (default: the CUDA device's own memory when the run would train "
+                        "on CUDA; e.g. 8 to check an 8 GB card from anywhere; 0: skip)")
     o.add_argument("--context-gib", type=float, default=None,
                    help="the CUDA context of the device --fit-gib checks for (GiB beyond torch's reserve that "
                         "nvidia-smi shows; default: the estimator's measured H200 figure, see docs/vram.md)")
@@ -244,7 +245,8 @@ def cmd_train(args) -> int:
         except PlanMemoryError as err:
             print(f"sdslim train: error: {err}", file=sys.stderr)
             return 2
-        fit_gib = args.fit_gib if args.fit_gib is not None else (8.0 if session.device.type == "cuda" else 0)
+        from ..train.device_fit import default_device_gib
+        fit_gib = args.fit_gib if args.fit_gib is not None else default_device_gib(session.device)
         fit = _device_fit(session, fit_gib, args.context_gib) if fit_gib else None
         if args.json:
             print(json.dumps(dict(ladder.to_dict(), device_fit=fit)))

@@ -25,6 +25,15 @@ def cuda_optimizer() -> str:
     return "adamw" if optional.missing("bitsandbytes", "8-bit AdamW") else "adamw8bit"
 
 
+def default_device_gib(device) -> float:
+    """The device size ``--plan-only`` checks by default: a CUDA device's own memory (GiB), else 0 (no check)."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    return torch.cuda.get_device_properties(device).total_memory / GIB
+
+
 def _per_param_gib(session, ranks, optimizer, context, stage2_all, kept) -> float | None:
     """GiB of stage 2's device peak per adapter parameter of the trained group, from a second estimator run with
     only the largest of :data:`MAX_GROUPS` groups trained (its sites' train-time buffers shrink with the group as

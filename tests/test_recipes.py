@@ -161,6 +161,23 @@ def test_plan_only_prices_the_ladder_with_warm_up_progress_lines(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == []                       # nothing written
 
 
+def test_plan_only_fit_gib_names_the_groups_or_the_device_the_run_needs(tmp_path, capsys):
+    """--fit-gib through the CLI with the real estimator on the tiny model: a card it fits is named with its
+    stage-2 groups; one far too small gets the phase that is over and the device size the run needs (the largest of
+    its phases' peaks at the groups with the lowest stage-2 peak)."""
+    _, err = _run(capsys, "train", "--ckpt", TINY, "--out", tmp_path / "a.safetensors", *CALIB, "--plan-only",
+                  "--fit-gib", "8", "--context-gib", "0.5")
+    assert "fits 8 GiB with --stage2-groups 1;" in err
+    out, err = _run(capsys, "train", "--ckpt", TINY, "--out", tmp_path / "a.safetensors", *CALIB, "--plan-only",
+                    "--fit-gib", "0.01", "--context-gib", "0.5", "--json")
+    fit = json.loads(out)["device_fit"]
+    assert fit["groups"] is None and fit["needs_gib"] > 0.5 and "does not fit 0.01 GiB" in fit["text"]
+    assert f"it needs a device of {fit['needs_gib']:.1f} GiB, with --stage2-groups {fit['needs_groups']}" in fit["text"]
+    by_groups = fit["stage2_gib_by_groups"]
+    assert fit["needs_gib"] == max(fit["calibration_gib"], fit["stage1_gib"], by_groups[str(fit["needs_groups"])])
+    assert by_groups[str(fit["needs_groups"])] == min(by_groups.values())
+
+
 def test_plan_shrinks_or_refuses_when_the_ram_is_short(tmp_path, capsys, monkeypatch):
     need = RamNeed(teacher=GIB, step_per_input=2 * GIB, forward=GIB // 2, adapters=0)
     monkeypatch.setattr(plan_mod, "ram_need", lambda session, adapter_params: need)

@@ -309,8 +309,8 @@ def test_the_8gb_check_picks_the_fewest_stage2_groups_that_fit_and_names_the_dev
 
 
 def test_plan_only_checks_the_cuda_devices_own_memory_by_default(monkeypatch):
-    """On a CUDA run --plan-only's check is for the card the user has (a 6 GB card is told about 6 GiB, not 8);
-    on the CPU there is no check unless --fit-gib asks for one."""
+    """On a CUDA run --plan-only's check is for the card the user has (a 6 GB card is told about 6 GiB, not 8), with
+    what that card holds outside torch now as its context; on the CPU there is no check unless --fit-gib asks."""
     from types import SimpleNamespace
     from sdslim_core.train import device_fit as fit_mod
     seen = []
@@ -321,6 +321,13 @@ def test_plan_only_checks_the_cuda_devices_own_memory_by_default(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     assert fit_mod.default_device_gib("cuda:1") == 6.0 and seen == [torch.device("cuda:1")]
     assert fit_mod.default_device_gib(torch.device("cpu")) == 0.0
+    # and its context as it is: everything the GPU holds beyond this process's torch reserve (other programs too)
+    from sdslim_core.vram import live
+    monkeypatch.setattr(live, "device_used", lambda index: {1: 3 * 2 ** 30}.get(index))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: {1: 2 ** 30}[index])
+    assert fit_mod.measured_context_gib("cuda:1") == 2.0
+    monkeypatch.setattr(live, "device_used", lambda index: None)
+    assert fit_mod.measured_context_gib("cuda:1") is None and fit_mod.measured_context_gib("cpu") is None
 
 
 def test_budget_allocation_spends_where_error_falls_fastest():

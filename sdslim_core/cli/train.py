@@ -105,7 +105,8 @@ def register(subparsers):
                         "on CUDA; e.g. 8 to check an 8 GB card from anywhere; 0: skip)")
     o.add_argument("--context-gib", type=float, default=None,
                    help="the CUDA context of the device --fit-gib checks for (GiB beyond torch's reserve that "
-                        "nvidia-smi shows; default: the estimator's measured H200 figure, see docs/vram.md)")
+                        "nvidia-smi shows; default: for this GPU, what it holds now outside torch (context and other "
+                        "programs); for --fit-gib N, the estimator's measured H200 figure, see docs/vram.md)")
     o.add_argument("--keep-work", action="store_true", help="keep <out>.work (calibration data, checkpoints) after a "
                                                             "successful run (default: removed)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -245,9 +246,12 @@ def cmd_train(args) -> int:
         except PlanMemoryError as err:
             print(f"sdslim train: error: {err}", file=sys.stderr)
             return 2
-        from ..train.device_fit import default_device_gib
-        fit_gib = args.fit_gib if args.fit_gib is not None else default_device_gib(session.device)
-        fit = _device_fit(session, fit_gib, args.context_gib) if fit_gib else None
+        from ..train.device_fit import default_device_gib, measured_context_gib
+        own = args.fit_gib is None            # this GPU as it is now: its memory, and what it holds outside torch
+        fit_gib = default_device_gib(session.device) if own else args.fit_gib
+        context = args.context_gib if args.context_gib is not None or not own else \
+            measured_context_gib(session.device)
+        fit = _device_fit(session, fit_gib, context) if fit_gib else None
         if args.json:
             print(json.dumps(dict(ladder.to_dict(), device_fit=fit)))
         else:

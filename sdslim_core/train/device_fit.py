@@ -34,6 +34,21 @@ def default_device_gib(device) -> float:
     return torch.cuda.get_device_properties(device).total_memory / GIB
 
 
+def measured_context_gib(device) -> float | None:
+    """What a CUDA device holds now beyond this process's torch reserve (its CUDA context and other programs'
+    memory), in GiB: the context for checking that device as it is; None off CUDA or where it cannot be read."""
+    import torch
+    from ..vram.live import device_used
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    used = device_used(index)
+    if used is None:
+        return None
+    return max(0.0, (used - torch.cuda.memory_reserved(index)) / GIB)
+
+
 def _per_param_gib(session, ranks, optimizer, context, stage2_all, kept) -> float | None:
     """GiB of stage 2's device peak per adapter parameter of the trained group, from a second estimator run with
     only the largest of :data:`MAX_GROUPS` groups trained (its sites' train-time buffers shrink with the group as

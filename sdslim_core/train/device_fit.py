@@ -72,7 +72,7 @@ def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float
     info = predict(session.cfg, ranks, session.tc, session.latent_size, optimizer, grad_ckpt=True)
     if info.get("peak_gib") is None:
         return {"device_gib": device_gib, "context_gib": context, "groups": None,
-                "text": f"{device_gib:g} GB check: {info['text']}"}
+                "text": f"{round(device_gib, 2):g} GB check: {info['text']}"}
     est = info["estimator"]
     stage2_all = est["stage2"]["reserved_gib"] + context
     calibration = est["calibration"]["reserved_gib"] + context
@@ -91,13 +91,14 @@ def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float
     what = (f"predicted device peak (allocator reserve + {context:.2f} GiB CUDA context; {optimizer}, grad ckpt, "
             f"batch {session.tc.stage2_batch}): calibration {calibration:.2f}, stage 1 {stage1:.2f}, stage 2 "
             + ", ".join(f"{g} group{'s' if g > 1 else ''} {v:.2f}" for g, v in list(by_groups.items())[:4]) + " GiB")
+    size = f"{round(device_gib, 2):g}"        # a card's own memory reads e.g. 7.79
     if groups is not None:
-        verdict = f"fits {device_gib:g} GiB with --stage2-groups {groups}"
+        verdict = f"fits {size} GiB with --stage2-groups {groups}"
     elif fixed > device_gib:
-        verdict = (f"does not fit {device_gib:g} GiB: {'calibration' if calibration >= stage1 else 'stage 1'} alone "
+        verdict = (f"does not fit {size} GiB: {'calibration' if calibration >= stage1 else 'stage 1'} alone "
                    f"needs {fixed:.2f} GiB")
     else:
-        verdict = f"does not fit {device_gib:g} GiB with up to {MAX_GROUPS} stage-2 groups"
+        verdict = f"does not fit {size} GiB with up to {MAX_GROUPS} stage-2 groups"
     if groups is None:
         verdict += f" (it needs a device of {needs:.1f} GiB, with --stage2-groups {least})"
     return {"device_gib": device_gib, "context_gib": context, "optimizer": optimizer, "groups": groups,

@@ -15,9 +15,11 @@ Per family, in one part:
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +31,7 @@ from sdslim_core.train.device_fit import device_fit
 from sdslim_core.train.plan import warm_ranks
 from sdslim_core.train.session import Session
 from sdslim_core.train.teacher import teacher_weights
+from sdslim_core.train.workdir import RANKS
 from sdslim_core.vram.allocator import DEFAULT_CONTEXT_GIB
 from sdslim_core.vram.live import measure_peak
 
@@ -137,10 +140,17 @@ def trainer(ctx: Context, family: str) -> dict:
                                                          "alloc_inputs")}}
     t0 = time.time()
 
+    def save():
+        ctx.partial(dict(out, run=dict(out["run"], phases_gib=dict(peaks.gib), wall_s=time.time() - t0)))
+
     def progress(done, total, info):
         peaks(done, total, info)
+        if family == "sd15" and out.get("ranks") is None and peaks.phase not in EARLY_PHASES:
+            out["ranks"] = allocation(tc.work_dir)          # for the speed part, even if the cap stops this run
+            if out["ranks"]:
+                save()
         if "of" not in info and done % 5 == 0:
-            ctx.partial(dict(out, run=dict(out["run"], phases_gib=dict(peaks.gib), wall_s=time.time() - t0)))
+            save()
     try:
         with measure_peak(ctx.device) as monitor:
             result = train_adapters(unet, cfg, calib, tc, ctx.work / f"adapters-{family}.safetensors",
@@ -169,6 +179,18 @@ def trainer(ctx: Context, family: str) -> dict:
     if not cuda:
         out["skipped"] = ["dry run: no CUDA allocator counters or device limit on the CPU (phase peaks n/a)"]
     return out
+
+
+EARLY_PHASES = ("setup", "calibration", "capture", "rank curves")      # the phases before ranks.json exists
+
+
+def allocation(work_dir) -> dict | None:
+    """The ranks a run allocated, from its work folder's ``ranks.json`` (written when the allocation ends)."""
+    path = Path(work_dir) / RANKS
+    try:
+        return {k: int(v) for k, v in json.loads(path.read_text())["ranks"].items()}
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
 
 
 def run_device(fit: dict, family: str) -> tuple[float, int]:

@@ -194,6 +194,17 @@ def test_the_trainer_part_limits_a_run_that_does_not_fit_8gb_to_the_device_the_c
     assert gpu_trainer.run_device({"error": "x"}, "sdxl") == (8.0, 3)
 
 
+def test_the_trainer_part_reads_the_allocation_from_its_work_folder(tmp_path):
+    """The speed part times trainer_sd15's allocated ranks; the trainer part takes them from ranks.json as soon as
+    the allocation ends (the H200 run's part was stopped by its cap before the end and left none)."""
+    import gpu_trainer
+    assert gpu_trainer.allocation(tmp_path) is None
+    (tmp_path / "ranks.json").write_text(json.dumps({"ranks": {"a.ff": 640}, "info": {}}))
+    assert gpu_trainer.allocation(tmp_path) == {"a.ff": 640}
+    (tmp_path / "ranks.json").write_text('{"ranks": ')
+    assert gpu_trainer.allocation(tmp_path) is None
+
+
 def test_dry_run_trainer_reaches_every_phase_with_its_plan(dry):
     results, _, _ = dry
     sites = {f: layout.sites(canonical_shapes(gpu_parts.tiny_config(f))) for f in ("sd15", "sdxl")}

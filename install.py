@@ -3,12 +3,12 @@
 AUTOMATIC1111 runs this file at start-up and after an install from the Extensions tab, with its own ``launch``
 module importable (pip runs through its helpers). ComfyUI-Manager runs it too, in ComfyUI's Python, after it has
 pip-installed requirements.txt line by line without the caps below: there is no ``launch`` then, and pip runs as
-``python -m pip``; a release it installed past a cap is replaced here. It only adds packages: each pip call is constrained to the versions already installed
-(:func:`installed_pins`), so pip picks releases that fit the webui's pins (with webui v1.10.1 a diffusers that
-works with its huggingface_hub and safetensors) or fails, and never changes one of the webui's packages. torch,
-torchvision, torchaudio and xformers are never installed: the webui owns them. Releases that need a newer torch
-than the installed one are left out (:data:`TORCH_CAPS`), so what is added imports on the webui's own torch (with
-webui v1.10.1's torch 2.1.2: diffusers 0.35, lycoris-lora 4.0).
+``python -m pip``; a release it installed past a cap is replaced here. It only adds packages: each pip call is
+constrained to the versions already installed (:func:`installed_pins`), so pip picks releases that fit the host's
+pins (with webui v1.10.1 a diffusers that works with its huggingface_hub and safetensors) or fails, and never
+changes one of the host's packages. torch, torchvision, torchaudio and xformers are never installed: the host
+owns them. Releases that need a newer torch than the installed one are left out (:data:`TORCH_CAPS`), so what is
+added imports on the host's own torch (with webui v1.10.1's torch 2.1.2: diffusers 0.35, lycoris-lora 4.0).
 """
 import importlib.metadata
 import os

@@ -10,12 +10,11 @@ Per family, in one part:
    default; SDXL: every site at uniform 0.5, the same parameter count without the allocation's ~100 extra UNet
    forwards) and the stage-2 groups of step 1, under an 8 GiB device limit, or where step 1 says the run does not
    fit 8 GiB, the device size it names (:func:`run_device`; ``torch.cuda.set_per_process_memory_fraction`` at that
-   size less the measured context: the allocator then frees and fails as on a card of that size); per phase torch's allocated/reserved peak and the derived device peak
-   (reserved + context), steps/s of both stages, next to the prediction of step 1 and the plan's step costs.
+   size less the measured context: the allocator then frees and fails as on a card of that size); per phase
+   torch's allocated/reserved peak and the derived device peak (reserved + context), steps/s of both stages, next to the prediction of step 1 and the plan's step costs.
 """
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -29,6 +28,7 @@ from sdslim_core.train import Calibration, TrainConfig, train_adapters
 from sdslim_core.train import recipes
 from sdslim_core.train.device_fit import device_fit
 from sdslim_core.train.plan import warm_ranks
+from sdslim_core.train.ranks import RECORD_ERRORS, read_allocation
 from sdslim_core.train.session import Session
 from sdslim_core.train.teacher import teacher_weights
 from sdslim_core.train.workdir import RANKS
@@ -186,10 +186,9 @@ EARLY_PHASES = ("setup", "calibration", "capture", "rank curves")      # the pha
 
 def allocation(work_dir) -> dict | None:
     """The ranks a run allocated, from its work folder's ``ranks.json`` (written when the allocation ends)."""
-    path = Path(work_dir) / RANKS
     try:
-        return {k: int(v) for k, v in json.loads(path.read_text())["ranks"].items()}
-    except (OSError, ValueError, KeyError, AttributeError):
+        return read_allocation(Path(work_dir) / RANKS)[0]
+    except RECORD_ERRORS:
         return None
 
 

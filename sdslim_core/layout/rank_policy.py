@@ -43,7 +43,7 @@ def rank_step(width: int, kind: str) -> int:
     multiple of ``TENSOR_TILE`` as well (the lcm of the two) where the width is a multiple of that and holds at
     least ``MIN_TILED_STEPS`` of it (narrower widths, e.g. the tiny test models', keep the finer grid)."""
     k = group_size(width) if kind == "res" else 1
-    tiled = k * TENSOR_TILE // math.gcd(k, TENSOR_TILE)
+    tiled = math.lcm(k, TENSOR_TILE)
     return tiled if width % tiled == 0 and width // tiled >= MIN_TILED_STEPS else k
 
 
@@ -83,7 +83,7 @@ def aligned_rank(width: int, rank: int, kind: str, multiple: int = 64) -> int:
     next smaller power-of-two ``multiple`` (down to 8) is tried, and the rank is kept when none fits."""
     m = multiple
     while m >= 8:
-        step = m if kind == "ff" else m * group_size(width) // math.gcd(m, group_size(width))
+        step = m if kind == "ff" else math.lcm(m, group_size(width))
         if step <= rank:
             return min(width, max(step, step * int(rank / step + 0.5)))
         m //= 2

@@ -253,6 +253,16 @@ def choose_ranks(session: "Session", bank: "InputBank", store: "ActivationStore"
     return ranks, info
 
 
+RECORD_ERRORS = (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def read_allocation(path) -> tuple[dict, dict]:
+    """(ranks, allocation info) from an allocation's ``ranks.json``; one of :data:`RECORD_ERRORS` when it cannot
+    be read."""
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    return {str(k): int(v) for k, v in raw["ranks"].items()}, dict(raw["info"])
+
+
 def _recorded(session: "Session") -> tuple[dict, dict] | None:
     """(ranks, allocation info) a resumed run's allocation recorded in ``<work dir>/ranks.json``; None when there
     is none (a new run, or one stopped before the allocation ended: its curves are in ``init/``)."""
@@ -260,10 +270,8 @@ def _recorded(session: "Session") -> tuple[dict, dict] | None:
     if not (session.resume and path.exists()):
         return None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        ranks = {str(k): int(v) for k, v in raw["ranks"].items()}
-        info = dict(raw["info"])
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        ranks, info = read_allocation(path)
+    except RECORD_ERRORS as err:
         raise ValueError(f"the work folder's rank allocation {path} is damaged ({err}): delete the work folder "
                          f"{session.work_dir} to start over (or, in the CLI, run without --resume)") from None
     session.say(f"rank allocation: {len(ranks)} sites slimmed, as recorded in {path} (not measured again)")

@@ -280,8 +280,8 @@ def kohya_tensors(modules: Iterable[LoraModule], cfg: layout.UNetConfig, strengt
             if t["up"].ndim == 2 and t["down"].ndim == 4:      # conv layer: up as a 1×1 conv, as kohya writes it
                 t["up"] = t["up"][:, :, None, None]
             exact = torch.float64 if (dtype or t["down"].dtype) == torch.float64 else torch.float32
-            t["alpha"] = torch.tensor(strength * module_scale(mod) * t["down"].shape[0], dtype=exact,
-                                      device=t["down"].device)
+            # a file scalar: a 0-dim CPU tensor, which mixes with the factors on any device and is written as is
+            t["alpha"] = torch.tensor(strength * module_scale(mod) * t["down"].shape[0], dtype=exact)
         else:
             roles = [r for r in _STRENGTH_TENSORS[mod.kind] if r in t]
             for role in roles if mod.kind in ("diff", "norm") else roles[:1]:   # ΔW is linear in each of these

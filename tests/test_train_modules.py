@@ -308,6 +308,58 @@ def test_the_8gb_check_picks_the_fewest_stage2_groups_that_fit_and_names_the_dev
             assert got["text"].startswith(f"fits {device:g} GiB with --stage2-groups {fits[0]}")
 
 
+def test_auto_stage2_groups_on_cuda_are_the_checks_fewest_that_fit_this_gpu(monkeypatch):
+    """On CUDA, ``stage2_groups=auto`` is what the check ``--plan-only`` prints says for this GPU (its memory, its
+    context now): the fewest groups whose stage-2 device peak fits, by the same linear reserve as above (calibration
+    is behind the run by then, so only stage 2 counts); the fewest at the lowest peak when none fits, said; the
+    memory rule where the estimator gives nothing; the estimator once per ranks."""
+    from types import SimpleNamespace
+    from sdslim_core.train import device_fit as fit_mod, stage2
+    shapes, cfg = canonical_shapes_for_arch("sdxl")
+    site_list = layout.sites(shapes)
+    ranks = rank_policy.ranks_for_ratio(site_list, 0.5)
+    size = {s.name: ranks_mod.adapter_param_count([s], ranks) for s in site_list}
+    per, context = 13 / 2 ** 30, 1.0
+    calls = []
+
+    def largest(g):
+        return max(stage2.split_groups([s.name for s in site_list], size, g), key=lambda grp: sum(size[s] for s in grp))
+
+    for floor, device in ((6.0, 40.0), (6.0, 14.0), (6.0, 8.0), (None, 12.0)):
+        def predict(*a, train_sites=None, **k):
+            calls.append(1)
+            if floor is None:
+                return {"peak_gib": None, "text": "VRAM estimator failed (stub)"}
+            r = floor + per * sum(size[s] for s in (train_sites or size))
+            est = {"stage2": {"reserved_gib": r, "peak_gib": r}, "calibration": {"reserved_gib": 9.0, "peak_gib": 9.0}}
+            return {"peak_gib": 1.0, "estimator": est, "stages_gib": {"stage1": 2.0}}
+        monkeypatch.setattr(fit_mod, "predict", predict)
+        monkeypatch.setattr(fit_mod, "default_device_gib", lambda d, device=device: device)
+        monkeypatch.setattr(fit_mod, "measured_context_gib", lambda d: context)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda d, device=device: SimpleNamespace(total_memory=int(device * 2 ** 30)))
+        said = []
+        session = SimpleNamespace(site_list=site_list, site_order=[s.name for s in site_list], cfg=cfg, shapes=shapes,
+                                  tc=TrainConfig(), latent_size=128, device=torch.device("cuda"),
+                                  teacher_dtype=torch.float16, optimizer_name="adamw8bit", say=said.append)
+        calls.clear()
+        n = stage2.resolve_groups(session, ranks)
+        first = len(calls)
+        assert stage2.resolve_groups(session, ranks) == n and len(calls) == first <= 2
+        if floor is None:                  # the rule: adapters + grads + 8-bit states + bf16 copies beside the teacher
+            room = 0.92 * device * 2 ** 30 - 2 * ranks_mod.param_count(shapes) - 1.5 * 2 ** 30
+            assert n == math.ceil(sum(size.values()) * 12 / room) > 1
+            assert said[0].startswith("stage 2 groups by the memory rule (") and "failed (stub)" in said[0]
+            continue
+        peaks = {g: floor + per * sum(size[s] for s in largest(g)) + context for g in range(1, fit_mod.MAX_GROUPS + 1)}
+        fits = [g for g in peaks if peaks[g] <= device]
+        assert n == (fits[0] if fits else fit_mod.MAX_GROUPS), (n, peaks)
+        assert said == [f"stage 2 in {n} group{'s' if n > 1 else ''}: predicted device peak {peaks[n]:.2f} GiB of "
+                        f"this GPU's {device:.2f} GiB (its context now {context:.2f} GiB)"
+                        + ("" if fits else "; more than it has: stage 2 may run out of memory")]
+    assert 6.0 + per * sum(size.values()) + context <= 40.0        # the cases: one group, 5 groups, none fits
+
+
 def test_plan_only_checks_the_cuda_devices_own_memory_by_default(monkeypatch):
     """On a CUDA run --plan-only's check is for the card the user has (a 6 GB card is told about 6 GiB, not 8), with
     what that card holds outside torch now as its context; on the CPU there is no check unless --fit-gib asks."""

@@ -188,11 +188,16 @@ def test_two_cpu_processes_shard_stage1_and_share_stage2(reference, tmp_path):
     assert set(saved.site_errors()) == set(a.sites)
 
 
-def test_stage2_in_groups_resumes_bit_for_bit(tmp_path):
-    """Stage 2 in 3 site groups (the low-VRAM mode): killed inside the second group, resumed, same adapters."""
+def test_stage2_in_groups_resumes_bit_for_bit_in_the_split_it_started_with(tmp_path, monkeypatch):
+    """Stage 2 in 3 site groups (the low-VRAM mode): killed inside the second group, resumed, same adapters, even
+    when ``auto`` would pick another split now (on CUDA it follows what else the GPU holds): the resumed run
+    trains in the 3 groups its group files and checkpoints were made in (``stage2/groups.json``)."""
+    from sdslim_core.train import stage2
     small = dict(FAST, n_trajectories=10, latent_size=8, ff_inputs=40, res_maps=40, stage1_steps=0, stage2_steps=9,
-                 stage2_groups=3)
-    tc = TrainConfig(**small)
+                 stage2_groups="auto")
+    said = []
+    tc = TrainConfig(**small, log=said.append)
+    monkeypatch.setattr(stage2, "resolve_groups", lambda session, ranks: 3)
     ref = train_adapters(_teacher(), tiny_config(), _calib(), tc, tmp_path / "a" / "adapters.safetensors")
     assert ref.report.timing["stage2_groups"] == 3
     assert ref.report.unet_error["stage2"] < ref.report.unet_error["stage1"]
@@ -202,10 +207,20 @@ def test_stage2_in_groups_resumes_bit_for_bit(tmp_path):
     n1 = 0
     with pytest.raises(Killed):
         train_adapters(_teacher(), tiny_config(), _calib(), tc, out, progress=_kill_at(n1 + 5))
+    monkeypatch.setattr(stage2, "resolve_groups", lambda session, ranks: 2)
+    said.clear()
     result = train_adapters(_teacher(), tiny_config(), _calib(), tc, out, resume=True)
+    assert "stage 2 resumes in the 3 groups it started in" in said
+    assert result.report.timing["stage2_groups"] == 3
     for site, t in ref.adapters.sites.items():
         for name, v in t.items():
             assert torch.equal(result.adapters.sites[site][name], v), (site, name)
+    # a damaged record names the work folder to delete
+    split = out.parent / "adapters.safetensors.work" / "stage2" / stage2.SPLIT_FILE
+    split.write_text('{"groups": [["not-a-site"]]}')
+    with pytest.raises(ValueError, match=r"stage-2 split .* is damaged \(its sites are not this run's\): delete the "
+                                         r"work folder"):
+        train_adapters(_teacher(), tiny_config(), _calib(), tc, out, resume=True, overwrite=True)
 
 
 def test_a_resume_after_the_allocation_measures_nothing_again(tmp_path, monkeypatch):

@@ -286,3 +286,32 @@ def test_diffusers_folder_and_single_file_give_one_unet(tmp_path):
                      tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
     folder, single = settings_from_ckpt(str(tmp_path), resolution=64), settings_from_ckpt(TINY_CKPT, resolution=64)
     assert folder.unet_config == single.unet_config and folder.slim_ranks is None is single.slim_ranks
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the ._pth file is named after the interpreter; built here on POSIX")
+def test_the_worker_starts_under_a_python_that_ignores_pythonpath_as_comfyuis_portable_one_does(tmp_path, monkeypatch):
+    """ComfyUI's Windows portable Python has a ``._pth`` file beside python.exe: PYTHONPATH is ignored, and sdslim
+    (a custom node folder) is no installed package. Made the same here: a copy of this interpreter beside a
+    ``python._pth`` listing the standard library and this venv's site-packages (no ``import site``: the editable
+    install is not seen), run from another folder. The estimator's worker still starts and estimates."""
+    import shutil
+    import site
+    import subprocess
+    import sys
+    import sysconfig
+    if sys.version_info < (3, 11):
+        pytest.skip("._pth files outside Windows need Python 3.11")
+    python = tmp_path / "python"
+    shutil.copy2(os.path.realpath(sys.executable), python)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    (tmp_path / "python._pth").write_text("\n".join([stdlib, os.path.join(stdlib, "lib-dynload"),
+                                                     *site.getsitepackages()]) + "\n")
+    repo = os.path.dirname(HERE)
+    probe = subprocess.run([str(python), "-c", "import torch, sdslim_core"], cwd=tmp_path, capture_output=True,
+                           text=True, env=dict(os.environ, PYTHONPATH=repo))
+    assert "No module named 'sdslim_core'" in probe.stderr     # torch is there; PYTHONPATH is not followed
+    monkeypatch.setattr(sys, "executable", str(python))
+    monkeypatch.chdir(tmp_path)
+    (got,) = estimate_many([("fp32", tiny(precision="fp32"), "fp32", (1,))], env=dict(os.environ, PYTHONPATH=repo),
+                           timeout=HANG_GUARD_S)
+    assert got.points[0]["batch"] == 1 and got.points[0]["peak_gib"] > 0

@@ -90,12 +90,15 @@ def register(subparsers):
     o.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default 200)")
     o.add_argument("--optimizer", choices=("auto", "adamw", "adamw8bit"), default="auto")
     o.add_argument("--stage2-groups", default=None, help="train stage 2 in N site groups one after another (less "
-                                                          "VRAM or RAM); default auto (from the GPU's memory, "
-                                                          "on a CPU from the RAM)")
+                                                          "VRAM or RAM); default auto (the fewest whose "
+                                                          "predicted peak fits the GPU, as --plan-only says; on a "
+                                                          "CPU from the RAM)")
     o.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
                    help="gradient checkpointing in stage 2 (less memory, ~1/3 more compute); auto: on CUDA, and "
                         "whenever stage 2 trains in groups")
-    o.add_argument("--no-vram-estimate", action="store_true", help="skip the VRAM prediction before training")
+    o.add_argument("--no-vram-estimate", action="store_true", help="skip the VRAM prediction printed before "
+                                                                      "training (on a GPU, --stage2-groups auto still "
+                                                                      "predicts stage 2's peak)")
     o.add_argument("--no-plan", action="store_true", help="skip the cost plan (UNet passes per phase, work folder "
                                                           "size, ETA from a short warm-up) printed before training")
     o.add_argument("--plan-only", action="store_true", help="print the cost plan and exit without training")

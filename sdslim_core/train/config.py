@@ -79,7 +79,7 @@ class TrainConfig:
     lora_prob: float = 0.5                 # share of steps with random LoRA-like deltas of the fold's layers
     lora_scale: float = 0.25               # largest relative norm of those deltas
     stage2_groups: int | str = "auto"      # sites trained in this many groups, one after another (VRAM); auto:
-                                           # 1 unless the adapters + optimizer of all sites would not fit the GPU
+                                           # the fewest that fit the GPU (predicted) or the RAM (stage2.resolve_groups)
     grad_clip: float = 1.0
     # ---- run ----
     seed: int = 0

@@ -107,7 +107,8 @@ def execute(session: Session) -> TrainResult:
     session.timing["stage1_s"] = time.perf_counter() - t_stage
     if tc.stage2_steps > 0:
         t_stage = time.perf_counter()
-        groups = stage2.resolve_groups(session, aset_init.ranks())
+        groups = session.topo.broadcast_object(                   # the estimator runs once
+            stage2.resolve_groups(session, aset_init.ranks()) if session.topo.main else None)
         tensors2, _, after = stage2.run_stage2(session, aset_s1, bank, groups, shown=stage1_total)
         session.timing["stage2_s"] = time.perf_counter() - t_stage
         final = session.ordered(AdapterSet(session.cfg.family, tensors2, aset_init.norm_groups))

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from pathlib import Path
 
 import torch
 
 from . import checkpoint
 from ..io.adapters import AdapterSet
+from ..io.files import atomic_path
 from ..io.tensors import load_file, save_file_atomic
 from ..modules import swap
 from ..modules.layers import set_module
@@ -162,14 +164,21 @@ def physical_memory() -> int:
 
 
 def resolve_groups(session, ranks: dict) -> int:
-    """``stage2_groups``, with ``auto`` = the fewest groups whose adapters, gradients, optimizer states and
-    bf16 copies fit next to the teacher (finished groups run folded, their teacher layers off the device, so the
-    teacher is the most the other sites ever take) in 92% of the memory the run trains in, less a margin: on a
-    GPU 1.5 GiB (activations of the checkpointed UNet at batch 1, CUDA context, allocator slack), in RAM a quarter
-    of it (the activations, the system and the checkpoint's file pages)."""
+    """``stage2_groups``, with ``auto``: on CUDA, the fewest groups whose stage-2 device peak the VRAM estimator
+    predicts within this GPU's memory, with what the GPU holds outside torch now as its context (the check
+    ``--plan-only`` prints, :mod:`.device_fit`); where the estimator gives nothing, and in RAM, the fewest groups
+    whose adapters, gradients, optimizer states and bf16 copies fit next to the teacher (finished groups run
+    folded, their teacher layers off the device, so the teacher is the most the other sites ever take) in 92% of
+    the memory the run trains in, less a margin: on a GPU 1.5 GiB (activations of the checkpointed UNet at batch
+    1, CUDA context, allocator slack), in RAM a quarter of it (the activations, the system and the checkpoint's
+    file pages)."""
     tc, device = session.tc, session.device
     if tc.stage2_groups != "auto":
         return int(tc.stage2_groups)
+    if device.type == "cuda":
+        n = _estimated_groups(session, ranks)
+        if n is not None:
+            return n
     teacher = param_count(session.shapes) * torch.finfo(session.teacher_dtype).bits // 8
     if device.type == "cuda":
         total, margin = torch.cuda.get_device_properties(device).total_memory, 1.5 * 2 ** 30
@@ -180,12 +189,63 @@ def resolve_groups(session, ranks: dict) -> int:
                        len(ranks), margin)
 
 
+def _estimated_groups(session, ranks: dict) -> int | None:
+    """The fewest stage-2 groups whose predicted device peak fits this CUDA device (the fewest at the lowest peak
+    when none does, said); None where the estimator gives nothing. Once per ranks in a session (the estimator
+    takes a minute or two)."""
+    from .device_fit import default_device_gib, device_fit, measured_context_gib
+    key = tuple(sorted(ranks.items()))
+    known = getattr(session, "_estimated_groups", {})
+    if key not in known:
+        fit = device_fit(session, ranks, default_device_gib(session.device), measured_context_gib(session.device))
+        by_groups = fit.get("stage2_gib_by_groups")
+        if not by_groups:
+            session.say(f"stage 2 groups by the memory rule ({fit['text']})")
+            known[key] = None
+        else:
+            n = next((g for g, v in by_groups.items() if v <= fit["device_gib"]), fit["needs_groups"])
+            over = by_groups[n] > fit["device_gib"]
+            session.say(f"stage 2 in {n} group{'s' if n > 1 else ''}: predicted device peak {by_groups[n]:.2f} GiB "
+                        f"of this GPU's {fit['device_gib']:.2f} GiB (its context now {fit['context_gib']:.2f} GiB)"
+                        + ("; more than it has: stage 2 may run out of memory" if over else ""))
+            known[key] = n
+        session._estimated_groups = known
+    return known[key]
+
+
 def phase_steps(total: int, n_groups: int) -> list[int]:
     return [total // n_groups + (1 if i < total % n_groups else 0) for i in range(n_groups)]
 
 
 def group_path(session, g: int):
     return session.work_dir / "stage2" / f"group-{g:03d}.safetensors"
+
+
+SPLIT_FILE = "groups.json"
+
+
+def recorded_split(session, groups: list) -> list:
+    """The groups stage 2 trains in: in a resumed run the split it started with (``stage2/groups.json``; on CUDA
+    ``auto`` follows what else the GPU holds, which can change between the two runs, and its group files and
+    checkpoints are per group), else ``groups``, recorded there. The same on every process."""
+    path = session.work_dir / "stage2" / SPLIT_FILE
+    if session.topo.main:
+        if session.resume and path.exists():
+            try:
+                old = json.loads(path.read_text(encoding="utf-8"))["groups"]
+                if sorted(s for g in old for s in g) != sorted(s for g in groups for s in g):
+                    raise ValueError("its sites are not this run's")
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"the work folder's stage-2 split {path} is damaged ({err}): delete the work "
+                                 f"folder {session.work_dir} to start over (or, in the CLI, run without --resume)"
+                                 ) from None
+            if old != groups:
+                session.say(f"stage 2 resumes in the {len(old)} group{'s' if len(old) > 1 else ''} it started in")
+            groups = old
+        else:
+            with atomic_path(path) as tmp:
+                Path(tmp).write_text(json.dumps({"groups": groups}, indent=1), encoding="utf-8")
+    return session.topo.broadcast_object(groups)
 
 
 def fit_group(session, loop: FitLoop, aset: AdapterSet, bank: InputBank, groups: list, g: int, offset: int, total: int,
@@ -287,7 +347,7 @@ def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int,
     """
     tc = session.tc
     sizes = {s: sum(v.numel() for v in t.values()) for s, t in aset.sites.items()}
-    groups = split_groups(session.site_order, sizes, n_groups)
+    groups = recorded_split(session, split_groups(session.site_order, sizes, n_groups))
     if tc.stage2_groups == "auto" and len(groups) == len(sizes) > 1:
         session.say(f"stage 2: the teacher nearly fills this {'GPU' if session.device.type == 'cuda' else 'RAM'}; "
                     "training one site at a time")
@@ -305,6 +365,9 @@ def run_stage2(session, aset: AdapterSet, bank: InputBank, n_groups: int,
         if session.resume and path.exists():
             tensors, meta = load_file(path)
             info = json.loads(meta["sdslim.stage2"])
+            if info.get("sites", group) != group:        # a split recorded before groups.json existed
+                raise ValueError(f"{path} holds another split's group: delete the work folder "
+                                 f"{session.work_dir} to start over (or, in the CLI, run without --resume)")
             for key, v in tensors.items():
                 site, name = key.split("/", 1)
                 current[site][name] = v

@@ -1,6 +1,6 @@
 """Peak-VRAM estimates without a GPU: the public API (torch-free in this process).
 
-The work runs in a subprocess (``python -m sdslim_core.vram.estimate_worker``) because the fake-CUDA
+The work runs in a subprocess (the ``sdslim_core.vram.estimate_worker`` module) because the fake-CUDA
 shim must be loaded before torch, and callers (ComfyUI, A1111) have imported torch long before.
 
     from sdslim_core.vram.estimate import estimate
@@ -22,6 +22,10 @@ from .fit import CurveFit, classify, fit_curve, kink_note
 from .settings import Settings, select_matrix
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The worker finds sdslim_core by this path, not by PYTHONPATH or the working directory: ComfyUI's Windows portable
+# Python (a ``._pth`` file beside python.exe) ignores PYTHONPATH, and a custom node is not an installed package.
+_LAUNCH = ("import runpy, sys; sys.path.insert(0, {root!r}); "
+           "runpy.run_module('sdslim_core.vram.estimate_worker', run_name='__main__', alter_sys=True)")
 
 # The tracker's storage categories, grouped as a VRAM budget is read. Autocast's bf16 weight copies are made
 # during the forward pass and count as activations; a category not listed here counts as workspace.
@@ -118,11 +122,9 @@ def run_worker(jobs, *, timeout=None, echo_progress=False, env=None, on_progress
     ``timeout`` seconds stop it with ``subprocess.TimeoutExpired``.
     """
     request = {"jobs": [{"name": n, "settings": s.to_dict(), "batch_sizes": list(b)} for n, s, b in jobs]}
-    child_env = dict(os.environ if env is None else env)
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, child_env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "sdslim_core.vram.estimate_worker"]
+    cmd = [sys.executable, "-c", _LAUNCH.format(root=_PACKAGE_ROOT)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=child_env)
+                            text=True, env=dict(os.environ if env is None else env))
     tail, stdout = collections.deque(maxlen=200), []
 
     def pump_stderr():

@@ -100,8 +100,10 @@ def trainer(ctx: Context, family: str) -> dict:
 
     # 1. the plan, with the 8 GB check beside it on the CPU
     weights, _ = teacher_weights(unet, cfg)
-    dev = dict(device=ctx.device) if not ctx.dry else dict(device="cpu", latent_size=8, n_trajectories=4,
-                                                            sample_steps=2, ff_tokens=512, res_maps=16)
+    # on CUDA one stage-2 group, what auto gives on a large GPU, without its estimator run inside this part's cap
+    dev = dict(device=ctx.device, stage2_groups=1) if not ctx.dry else dict(device="cpu", latent_size=8,
+                                                                            n_trajectories=4, sample_steps=2,
+                                                                            ff_tokens=512, res_maps=16)
     full = TrainConfig(**dev, log=ctx.log)
     variants = {"quick": TrainConfig(**{**dev, **recipes.settings("quick")}, log=ctx.log), "full": full}
     session = Session(weights, cfg, full, calib, ctx.work / f"plan-{family}.safetensors", None, False)

@@ -346,6 +346,8 @@ def test_auto_stage2_groups_on_cuda_are_the_checks_fewest_that_fit_this_gpu(monk
         n = stage2.resolve_groups(session, ranks)
         first = len(calls)
         assert stage2.resolve_groups(session, ranks) == n and len(calls) == first <= 2
+        shown = fit_mod.own_device_fit(session, ranks)           # what --plan-only prints: the same check, not rerun
+        assert len(calls) == first and shown["device_gib"] == device and shown["context_gib"] == context
         if floor is None:                  # the rule: adapters + grads + 8-bit states + bf16 copies beside the teacher
             room = 0.92 * device * 2 ** 30 - 2 * ranks_mod.param_count(shapes) - 1.5 * 2 ** 30
             assert n == math.ceil(sum(size.values()) * 12 / room) > 1

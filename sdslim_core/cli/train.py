@@ -249,12 +249,16 @@ def cmd_train(args) -> int:
         except PlanMemoryError as err:
             print(f"sdslim train: error: {err}", file=sys.stderr)
             return 2
-        from ..train.device_fit import default_device_gib, measured_context_gib
+        from ..train.device_fit import default_device_gib, own_device_fit
+        from ..train.plan import warm_ranks
         own = args.fit_gib is None            # this GPU as it is now: its memory, and what it holds outside torch
         fit_gib = default_device_gib(session.device) if own else args.fit_gib
-        context = args.context_gib if args.context_gib is not None or not own else \
-            measured_context_gib(session.device)
-        fit = _device_fit(session, fit_gib, context) if fit_gib else None
+        if not fit_gib:
+            fit = None
+        elif own and args.context_gib is None:  # the check stage2_groups=auto trains in (the warm-up made it)
+            fit = own_device_fit(session, warm_ranks(session))
+        else:
+            fit = _device_fit(session, fit_gib, args.context_gib)
         if args.json:
             print(json.dumps(dict(ladder.to_dict(), device_fit=fit)))
         else:

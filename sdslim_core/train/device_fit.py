@@ -106,3 +106,20 @@ def device_fit(session, ranks: dict, device_gib: float = 8.0, context_gib: float
             "calibration_gib": calibration, "stage1_gib": stage1, "stage2_gib_by_groups": by_groups,
             "allocated": {"calibration": est["calibration"]["peak_gib"], "stage2_all": est["stage2"]["peak_gib"]},
             "text": f"{verdict}; {what}"}
+
+
+def fit_key(session, ranks: dict) -> tuple:
+    """What the check depends on beyond the model: the ranks and the stage-2 step's settings."""
+    return tuple(sorted(ranks.items())), session.tc.stage2_batch, session.latent_size, session.optimizer_name
+
+
+def own_device_fit(session, ranks: dict) -> dict:
+    """:func:`device_fit` for the session's own CUDA device as it is (its memory; as context what it holds outside
+    torch), once per ranks in a session: the check ``--plan-only`` prints and the groups ``stage2_groups=auto``
+    trains in on CUDA."""
+    key = fit_key(session, ranks)
+    known = session.__dict__.setdefault("_own_device_fit", {})
+    if key not in known:
+        known[key] = device_fit(session, ranks, default_device_gib(session.device),
+                                measured_context_gib(session.device))
+    return known[key]

@@ -191,26 +191,23 @@ def resolve_groups(session, ranks: dict) -> int:
 
 def _estimated_groups(session, ranks: dict) -> int | None:
     """The fewest stage-2 groups whose predicted device peak fits this CUDA device (the fewest at the lowest peak
-    when none does, said); None where the estimator gives nothing. Once per ranks in a session (the estimator
-    takes a minute or two)."""
-    from .device_fit import default_device_gib, device_fit, measured_context_gib
-    key = tuple(sorted(ranks.items()))
-    known = getattr(session, "_estimated_groups", {})
-    if key not in known:
-        fit = device_fit(session, ranks, default_device_gib(session.device), measured_context_gib(session.device))
-        by_groups = fit.get("stage2_gib_by_groups")
-        if not by_groups:
+    when none does), said once per ranks; None where the estimator gives nothing."""
+    from .device_fit import fit_key, own_device_fit
+    fit = own_device_fit(session, ranks)
+    by_groups = fit.get("stage2_gib_by_groups")
+    n = None if not by_groups else next((g for g, v in by_groups.items() if v <= fit["device_gib"]),
+                                        fit["needs_groups"])
+    said = session.__dict__.setdefault("_groups_said", set())
+    if fit_key(session, ranks) not in said:
+        said.add(fit_key(session, ranks))
+        if n is None:
             session.say(f"stage 2 groups by the memory rule ({fit['text']})")
-            known[key] = None
         else:
-            n = next((g for g, v in by_groups.items() if v <= fit["device_gib"]), fit["needs_groups"])
-            over = by_groups[n] > fit["device_gib"]
             session.say(f"stage 2 in {n} group{'s' if n > 1 else ''}: predicted device peak {by_groups[n]:.2f} GiB "
                         f"of this GPU's {fit['device_gib']:.2f} GiB (its context now {fit['context_gib']:.2f} GiB)"
-                        + ("; more than it has: stage 2 may run out of memory" if over else ""))
-            known[key] = n
-        session._estimated_groups = known
-    return known[key]
+                        + ("; more than it has: stage 2 may run out of memory"
+                           if by_groups[n] > fit["device_gib"] else ""))
+    return n
 
 
 def phase_steps(total: int, n_groups: int) -> list[int]:

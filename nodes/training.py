@@ -100,7 +100,10 @@ def run(model, filename, ratio, steps, seed, positive=None, clip=None, prompts="
     if size:
         options["latent_size"] = size
     work = paths.work_dir(folder_paths, out)
+    device = torch.device(model.load_device)
+    if device.type != "cpu":    # the trainer holds its own teacher: ComfyUI's models leave the GPU (reloaded when used)
+        comfy.model_management.free_memory(1e30, device)
     result = train_adapters(weights, cfg, calib, out_path=out, progress=progress, resume="auto", seed=seed,
-                            device=str(model.load_device), work_dir=work, overwrite=overwrite, **options)
+                            device=str(device), work_dir=work, overwrite=overwrite, **options)
     shutil.rmtree(work, ignore_errors=True)
     return "\n".join([f"adapters written to {out}", *notes, "", str(result.report)])

@@ -20,8 +20,8 @@ import sys
 import gradio as gr
 import torch
 
-from modules import (call_queue, devices, errors, extra_networks, lowvram, paths, processing, progress, prompt_parser,
-                     script_callbacks, scripts, sd_unet, shared, ui_common)
+from modules import (call_queue, devices, errors, extra_networks, paths, processing, progress, prompt_parser,
+                     script_callbacks, scripts, sd_models, sd_unet, shared, ui_common)
 from sdslim_core.hosts.a1111 import lora as a1111_lora
 from sdslim_core.hosts.a1111 import params
 from sdslim_core.hosts.a1111 import training as a1111_training
@@ -443,10 +443,9 @@ def _train(prompts, negative, ratio, budget, steps, size, seed, filename, recipe
     job = a1111_training.JobProgress(shared.state)
     job.say("encoding the prompts")
     calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
-    if getattr(sd_model, "lowvram", False):
-        lowvram.send_everything_to_cpu()            # --medvram/--lowvram: the webui's modules leave the GPU
-    job.say("preparing the teacher")
     options = form.options(cfg, next(unet.parameters()).dtype, str(devices.device), ADAPTER_DIR)
+    sd_models.send_model_to_cpu(sd_model)           # the trainer holds its own teacher: the webui's model leaves
+    job.say("preparing the teacher")                # the GPU while it trains, and comes back after
     try:
         result = train_adapters(weights, cfg, calib, out_path=out, progress=job, resume="auto", work_dir=work,
                                 log=job.say, **options)
@@ -454,6 +453,8 @@ def _train(prompts, negative, ratio, budget, steps, size, seed, filename, recipe
         text = a1111_training.interrupted_text(job, work)
         _log(text)
         return _train_outputs(text)
+    finally:
+        sd_models.send_model_to_device(sd_model)
     shutil.rmtree(work, ignore_errors=True)
     refresh_adapters()
     _log(f"adapters written to {out}")

@@ -119,7 +119,14 @@ def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui,
     assert any(names for names, _ in lora_before.values())
     seen = _press_interrupt_at(s, monkeypatch, 20)
     said = _status_lines(monkeypatch)
+    from modules import sd_models
+    moved, real_train = sd_models.standin_calls, s.module.train_adapters
+    moved.clear()
+    monkeypatch.setattr(s.module, "train_adapters", lambda *a, **k: moved.append("train") or real_train(*a, **k))
     text, *updates, html = _train(s)
+    # the trainer holds its own teacher: the webui's model leaves the GPU first, by the webui's own function (its
+    # --medvram/--lowvram parts too), and comes back when the run ends, interrupted here
+    assert moved == [("send_model_to_cpu", s.sd_model), "train", ("send_model_to_device", s.sd_model)], moved
     assert "calibration: the teacher's own sampling runs" in said and not any("reusing" in t for t in said), said
     work = webui.models / "sdslim_work" / "trained.safetensors.work"
     assert text.startswith("Interrupted at step 20 of ") and str(work) in text, text

@@ -1272,12 +1272,17 @@ def test_train_node_trains_on_the_models_load_device(pack, tmp_path, acc, monkey
         *a, **{**k, "n_trajectories": 2, "sample_steps": 2}))
     monkeypatch.setattr(swap, "slim_module", lambda unet, *a, **k: calls.append(next(unet.parameters()).device)
                         or real_slim(unet, *a, **k))                # stage 2's measure: the folded UNet
+    mm, real_free = comfy.model_management, comfy.model_management.free_memory
+    monkeypatch.setattr(mm, "free_memory", lambda need, device, *a, **k: calls.append(("free", need, device))
+                        or real_free(need, device, *a, **k))
     with on(acc) as dev:
         m = _on(types.SimpleNamespace(model=base), dev).clone()
         m.add_patches(lora, 0.5)
+        calls.clear()
         training.run(m, "refit", ratio=0.5, steps=2, seed=0, positive=positive, latent_size=4,
                      start_from="start.safetensors")
-    assert calls[0] == str(dev) and dev in calls[1:]
+    # ComfyUI's models leave the device first (all of them: the trainer holds its own teacher there)
+    assert calls[0] == ("free", 1e30, torch.device(dev)) and calls[1] == str(dev) and dev in calls[2:], calls[:3]
     got = adapters.AdapterSet.load(tmp_path / "sdslim" / "refit.safetensors")
     assert got.ranks() == start.ranks() and got.metadata["sdslim.train"]["steps"]["stage2"] == 2
     assert all(torch.isfinite(t).all() for tensors in got.sites.values() for t in tensors.values())

@@ -41,7 +41,8 @@ WEBUI = {
                                                      "StableDiffusionProcessingImg2Img", "Processed",
                                                      "process_images", "create_infotext"]),
     "modules/memmon.py": ("modules.memmon", ["MemUsageMonitor"]),
-    "modules/sd_models.py": ("modules.sd_models", ["load_model_weights", "reload_model_weights"]),
+    "modules/sd_models.py": ("modules.sd_models", ["load_model_weights", "reload_model_weights", "send_model_to_cpu",
+                                                   "send_model_to_device"]),
     "launch.py": ("launch", ["is_installed", "run_pip"]),
     "modules/launch_utils.py": ("modules.launch_utils", ["is_installed", "run_pip"]),
     "extensions-builtin/Lora/networks.py": ("networks", [

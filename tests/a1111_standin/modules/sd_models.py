@@ -1,5 +1,8 @@
-"""Stand-in for ``modules.sd_models``: loading weights into the live model as upstream does."""
-from modules import script_callbacks, shared
+"""Stand-in for ``modules.sd_models``: loading weights into the live model, and moving it off the GPU and back, as
+upstream does."""
+from modules import devices, lowvram, script_callbacks, shared
+
+standin_calls = []
 
 
 def load_model_weights(model, checkpoint_info, state_dict, timer):
@@ -23,3 +26,20 @@ def reload_model_weights(sd_model=None, info=None, forced_reload=False):
     finally:
         script_callbacks.model_loaded_callback(sd_model)
     return sd_model
+
+
+def send_model_to_cpu(m):
+    """Off the GPU: its --medvram/--lowvram part, else the whole model; then the cache emptied."""
+    standin_calls.append(("send_model_to_cpu", m))
+    if m.lowvram:
+        lowvram.send_everything_to_cpu()
+    else:
+        m.to(devices.cpu)
+    devices.torch_gc()
+
+
+def send_model_to_device(m):
+    """Back: with --medvram/--lowvram its parts move when used, else the whole model to the device."""
+    standin_calls.append(("send_model_to_device", m))
+    if not m.lowvram:
+        m.to(shared.device)

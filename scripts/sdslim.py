@@ -20,7 +20,7 @@ import sys
 import gradio as gr
 import torch
 
-from modules import (call_queue, devices, errors, extra_networks, paths, processing, progress, prompt_parser,
+from modules import (call_queue, devices, errors, extra_networks, lowvram, paths, processing, progress, prompt_parser,
                      script_callbacks, scripts, sd_models, sd_unet, shared, ui_common)
 from sdslim_core.hosts.a1111 import lora as a1111_lora
 from sdslim_core.hosts.a1111 import params
@@ -444,7 +444,7 @@ def _train(prompts, negative, ratio, budget, steps, size, seed, filename, recipe
     job.say("encoding the prompts")
     calib, notes = _webui_calibration(sd_model, form, cfg, pixels)
     options = form.options(cfg, next(unet.parameters()).dtype, str(devices.device), ADAPTER_DIR)
-    sd_models.send_model_to_cpu(sd_model)           # the trainer holds its own teacher: the webui's model leaves
+    _model_leaves_gpu(sd_model)                     # the trainer holds its own teacher: the webui's model leaves
     job.say("preparing the teacher")                # the GPU while it trains, and comes back after
     try:
         result = train_adapters(weights, cfg, calib, out_path=out, progress=job, resume="auto", work_dir=work,
@@ -454,11 +454,32 @@ def _train(prompts, negative, ratio, budget, steps, size, seed, filename, recipe
         _log(text)
         return _train_outputs(text)
     finally:
-        sd_models.send_model_to_device(sd_model)
+        _model_returns_to_gpu(sd_model)
     shutil.rmtree(work, ignore_errors=True)
     refresh_adapters()
     _log(f"adapters written to {out}")
     return _train_outputs(a1111_training.finished_text(out, result.report, notes), refreshed=True)
+
+
+def _model_leaves_gpu(sd_model):
+    """The webui's model off the GPU by its own ``send_model_to_cpu`` (webui 1.6+: its --medvram/--lowvram parts,
+    else the whole model); before 1.6, as that function does."""
+    if hasattr(sd_models, "send_model_to_cpu"):
+        return sd_models.send_model_to_cpu(sd_model)
+    if getattr(sd_model, "lowvram", False):
+        lowvram.send_everything_to_cpu()
+    else:
+        sd_model.to(devices.cpu)
+    devices.torch_gc()
+
+
+def _model_returns_to_gpu(sd_model):
+    """Back by the webui's ``send_model_to_device`` (before 1.6: the whole model, or its low-VRAM hooks move the
+    parts when used)."""
+    if hasattr(sd_models, "send_model_to_device"):
+        return sd_models.send_model_to_device(sd_model)
+    if not getattr(sd_model, "lowvram", False):
+        sd_model.to(devices.device)
 
 
 def _data_free(weights, cfg, form, out) -> str:

@@ -173,6 +173,28 @@ def test_train_interrupt_resume_then_the_file_slims_a_generation(session, webui,
     assert torch.allclose(p.standin_outputs[0], want, atol=1e-10, rtol=0)
 
 
+def test_the_webuis_model_leaves_the_gpu_by_its_own_function_or_as_before_1_6(session, webui, monkeypatch):
+    """Webui 1.6+ has ``sd_models.send_model_to_cpu``/``send_model_to_device`` (used above); on 1.5 the tab does
+    what they do: the --medvram/--lowvram part off the GPU, or the whole model to the CPU and back."""
+    from modules import devices, lowvram, sd_models
+
+    class Model:
+        def __init__(self, low):
+            self.lowvram, self.moves = low, []
+
+        def to(self, device):
+            self.moves.append(device)
+    for name in ("send_model_to_cpu", "send_model_to_device"):
+        monkeypatch.delattr(sd_models, name)
+    lowvram.standin_calls.clear()
+    whole, parts = Model(False), Model(True)
+    for m in (whole, parts):
+        session.module._model_leaves_gpu(m)
+        session.module._model_returns_to_gpu(m)
+    assert whole.moves == [devices.cpu, devices.device] and parts.moves == []
+    assert lowvram.standin_calls == ["send_everything_to_cpu"]
+
+
 @dataclasses.dataclass
 class Allocating(Quick):
     """Quick, with ranks allocated from measured error curves: the run has a rank allocation phase."""

@@ -1,5 +1,6 @@
 """The trainer's 8 GB check (``sdslim_core/train/device_fit.py``) at full size, without a checkpoint or a GPU:
-per family, each phase's predicted device peak, the fewest stage-2 groups that fit, or the device the run needs.
+per family and teacher placement (on the device, or offloaded: ``--offload-teacher on``), each phase's predicted
+device peak, the fewest stage-2 groups that fit, or the device the run needs.
 
     .venv/bin/python bench/fit_device.py [--gib 8] [--ratio 0.5] [--context-gib 1.36] [--arch sd15,sdxl]
 
@@ -29,14 +30,15 @@ from sdslim_core.train.device_fit import device_fit  # noqa: E402
 NATIVE_LATENT = {"sd15": 64, "sd2": 96, "sdxl": 128}
 
 
-def check(arch: str, gib: float, ratio: float, context_gib: float | None) -> dict:
+def check(arch: str, gib: float, ratio: float, context_gib: float | None, offload: bool = False) -> dict:
     """``device_fit`` for ``arch`` at uniform ``ratio``, on the fields of a training session it reads."""
     shapes, cfg = canonical_shapes_for_arch(arch)
     site_list = layout.sites(shapes)
     session = SimpleNamespace(site_list=site_list, site_order=[s.name for s in site_list], cfg=cfg, tc=TrainConfig(),
                               latent_size=NATIVE_LATENT[arch], device=torch.device("cpu"),
                               optimizer_name="adamw8bit")
-    return device_fit(session, rank_policy.ranks_for_ratio(site_list, ratio), gib, context_gib, "adamw8bit")
+    return device_fit(session, rank_policy.ranks_for_ratio(site_list, ratio), gib, context_gib, "adamw8bit",
+                      offload=offload)
 
 
 def main(argv=None) -> int:
@@ -46,19 +48,22 @@ def main(argv=None) -> int:
     ap.add_argument("--context-gib", type=float, default=None)
     ap.add_argument("--arch", default="sd15,sdxl")
     args = ap.parse_args(argv)
-    print("| family | latent | calibration | stage 1 | stage 2, 1 / 2 / 4 / 8 groups | verdict |")
-    print("|---|---|---|---|---|---|")
+    print("| family | latent | teacher | calibration | stage 1 | stage 2, 1 / 2 / 4 / 8 groups | verdict |")
+    print("|---|---|---|---|---|---|---|")
     for arch in args.arch.split(","):
-        t = time.time()
-        r = check(arch, args.gib, args.ratio, args.context_gib)
-        if r.get("groups") is None and "needs_gib" not in r:
-            print(f"| {arch} | | | | | {r['text']} |")
-            continue
-        s2 = " / ".join(f"{r['stage2_gib_by_groups'][g]:.2f}" for g in (1, 2, 4, 8))
-        verdict = r["text"].split(";")[0]
-        print(f"| {arch} | {NATIVE_LATENT[arch]}² | {r['calibration_gib']:.2f} | {r['stage1_gib']:.2f} | {s2} | "
-              f"{verdict} |", flush=True)
-        print(f"  ({arch}: {time.time() - t:.0f} s; context {r['context_gib']:.2f} GiB)", file=sys.stderr)
+        for offload in (False, True):
+            t = time.time()
+            r = check(arch, args.gib, args.ratio, args.context_gib, offload)
+            where = "offloaded" if offload else "on the device"
+            if r.get("groups") is None and "needs_gib" not in r:
+                print(f"| {arch} | | {where} | | | | {r['text']} |")
+                continue
+            s2 = " / ".join(f"{r['stage2_gib_by_groups'][g]:.2f}" for g in (1, 2, 4, 8))
+            verdict = r["text"].split(";")[0]
+            print(f"| {arch} | {NATIVE_LATENT[arch]}² | {where} | {r['calibration_gib']:.2f} | {r['stage1_gib']:.2f} "
+                  f"| {s2} | {verdict} |", flush=True)
+            print(f"  ({arch}, {where}: {time.time() - t:.0f} s; context {r['context_gib']:.2f} GiB)",
+                  file=sys.stderr)
     return 0
 
 

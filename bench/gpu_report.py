@@ -231,16 +231,19 @@ def _trainer(r) -> list:
     row("plan on this GPU: quick / full recipe", lambda t: " / ".join(_dur(t["plan"]["eta_s"][k])
                                                                       for k in ("quick", "full")))
     row("8 GB check (the plan's)", lambda t: t["fit_8gb"]["text"])
-    row("run: sites, stage-2 groups", lambda t: f"{t['run']['sites']}, {t['run']['stage2_groups']}")
+    row("run: sites, stage-2 groups, teacher", lambda t: f"{t['run']['sites']}, {t['run']['stage2_groups']}, "
+        + ("offloaded" if t["run"].get("offload_teacher") else "on the device"))
     row("run: device / torch limit GiB", lambda t: f"{_f(t['run'].get('device_gib', 8.0))} / "
         f"{_f(t['run']['limit_gib'])}")
     for ph in ("setup", "calibration", "capture", "rank curves", "init", "stage1", "stage2"):
         row(f"{ph}: allocated / reserved / device GiB",
             lambda t, ph=ph: f"{_f(t['run']['phases_gib'][ph]['allocated'])} / "
             f"{_f(t['run']['phases_gib'][ph]['reserved'])} / {_f(t['run']['device_derived_gib'][ph])}")
+    def run_fit(t):         # the check of the placement the run used
+        return t["fit_8gb"]["offloaded"] if t["run"].get("offload_teacher") else t["fit_8gb"]
     row("predicted device GiB: calibration / stage 1 / stage 2",
-        lambda t: f"{_f(t['fit_8gb']['calibration_gib'])} / {_f(t['fit_8gb']['stage1_gib'])} / "
-        f"{_f(t['fit_8gb']['stage2_gib_by_groups'][str(t['run']['stage2_groups'])])}")
+        lambda t: f"{_f(run_fit(t)['calibration_gib'])} / {_f(run_fit(t)['stage1_gib'])} / "
+        f"{_f(run_fit(t)['stage2_gib_by_groups'][str(t['run']['stage2_groups'])])}")
     row("fits that device (measured)", lambda t: t["run"].get("fits_device", t["run"].get("fits_8gb")))
     row("steps/s stage 1 / stage 2", lambda t: f"{_f(t['run']['steps_per_s'].get('stage1'))} / "
         f"{_f(t['run']['steps_per_s'].get('stage2'))}")

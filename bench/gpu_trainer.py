@@ -8,8 +8,9 @@ Per family, in one part:
    environment part measured);
 2. a run at tiny step counts with the default recipe's ranks (SD1.5: the anchored allocation at ratio 0.5, as by
    default; SDXL: every site at uniform 0.5, the same parameter count without the allocation's ~100 extra UNet
-   forwards) and the stage-2 groups of step 1, under an 8 GiB device limit, or where step 1 says the run does not
-   fit 8 GiB, the device size it names (:func:`run_device`; ``torch.cuda.set_per_process_memory_fraction`` at that
+   forwards) and the stage-2 groups of step 1, under an 8 GiB device limit (with the teacher offloaded where
+   step 1 says only that fits: SDXL), or where step 1 says the run does not fit 8 GiB either way, the device size
+   it names (:func:`run_device`; ``torch.cuda.set_per_process_memory_fraction`` at that
    size less the measured context: the allocator then frees and fails as on a card of that size); per phase
    torch's allocated/reserved peak and the derived device peak (reserved + context), steps/s of both stages, next to the prediction of step 1 and the plan's step costs.
 """
@@ -26,7 +27,7 @@ from gpu_parts import GIB, Context, unet_config
 from sdslim_core.modules.unet import build_diffusers_unet
 from sdslim_core.train import Calibration, TrainConfig, train_adapters
 from sdslim_core.train import recipes
-from sdslim_core.train.device_fit import device_fit
+from sdslim_core.train.device_fit import checked
 from sdslim_core.train.plan import warm_ranks
 from sdslim_core.train.ranks import RECORD_ERRORS, read_allocation
 from sdslim_core.train.session import Session
@@ -38,7 +39,7 @@ from sdslim_core.vram.live import measure_peak
 DEVICE_GIB = 8.0
 
 
-def run_config(family: str, dry: bool, work, log, groups: int) -> TrainConfig:
+def run_config(family: str, dry: bool, work, log, groups: int, offload: bool = False) -> TrainConfig:
     """The run: small data and step counts, cheap init methods (the allocation and every phase still run), the
     trainer's CUDA defaults otherwise (fp16 teacher, bf16 autocast, 8-bit AdamW when bitsandbytes imports,
     gradient checkpointing)."""
@@ -48,6 +49,7 @@ def run_config(family: str, dry: bool, work, log, groups: int) -> TrainConfig:
              stage1_steps=2, stage2_steps=12, alloc_inputs=8)
     ranks = dict(ratio=0.5) if family == "sd15" else dict(ratio=0.5, uniform=True)
     return TrainConfig(**size, **ranks, init_methods=("act_select", "select"), stage2_groups=groups, guidance=7.5,
+                       offload_teacher=offload,
                        checkpoint_every=1000, vram_estimate=False, plan=False, device="cpu" if dry else "cuda",
                        work_dir=str(work / f"train-{family}"), log=log, seed=0)
 
@@ -100,8 +102,9 @@ def trainer(ctx: Context, family: str) -> dict:
 
     # 1. the plan, with the 8 GB check beside it on the CPU
     weights, _ = teacher_weights(unet, cfg)
-    # on CUDA one stage-2 group, what auto gives on a large GPU, without its estimator run inside this part's cap
-    dev = dict(device=ctx.device, stage2_groups=1) if not ctx.dry else dict(device="cpu", latent_size=8,
+    # on CUDA one stage-2 group and the teacher on the device, what auto gives on a large GPU, without its estimator
+    # run inside this part's cap
+    dev = dict(device=ctx.device, stage2_groups=1, offload_teacher=False) if not ctx.dry else dict(device="cpu", latent_size=8,
                                                                             n_trajectories=4, sample_steps=2,
                                                                             ff_tokens=512, res_maps=16)
     full = TrainConfig(**dev, log=ctx.log)
@@ -126,8 +129,8 @@ def trainer(ctx: Context, family: str) -> dict:
     ctx.partial(out)
 
     # 2. the run, under the device limit the check names
-    device_gib, groups = run_device(fit, family)
-    tc = run_config(family, ctx.dry, ctx.work, ctx.log, groups)
+    device_gib, groups, offload = run_device(fit, family)
+    tc = run_config(family, ctx.dry, ctx.work, ctx.log, groups, offload)
     peaks = PhasePeaks(cuda)
     limit = None
     if cuda:
@@ -136,7 +139,7 @@ def trainer(ctx: Context, family: str) -> dict:
         torch.cuda.set_per_process_memory_fraction(limit / total)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    out["run"] = {"stage2_groups": groups, "device_gib": device_gib, "limit_gib": None if limit is None else limit / GIB,
+    out["run"] = {"stage2_groups": groups, "offload_teacher": offload, "device_gib": device_gib, "limit_gib": None if limit is None else limit / GIB,
                   "config": {k: getattr(tc, k) for k in ("ratio", "uniform", "stage1_steps", "stage2_steps",
                                                          "n_trajectories", "sample_steps", "init_methods",
                                                          "alloc_inputs")}}
@@ -194,15 +197,18 @@ def allocation(work_dir) -> dict | None:
         return None
 
 
-def run_device(fit: dict, family: str) -> tuple[float, int]:
-    """(device GiB, stage-2 groups) the run is limited to: 8 GiB and the check's groups where it fits; else the
-    device the check says the run needs, with 0.5 GiB to spare, rounded up to a whole GiB (SDXL: 12), and its groups;
-    8 GiB and a default split when the check gave nothing."""
+def run_device(fit: dict, family: str) -> tuple[float, int, bool]:
+    """(device GiB, stage-2 groups, teacher offloaded) the run is limited to: 8 GiB and the check's groups where it
+    fits, with the teacher on the device or else offloaded; else the device the check says the run needs with the
+    teacher on it, with 0.5 GiB to spare, rounded up to a whole GiB, and its groups; 8 GiB and a default split when
+    the check gave nothing."""
     if fit.get("groups"):
-        return DEVICE_GIB, fit["groups"]
+        return DEVICE_GIB, fit["groups"], False
+    if (fit.get("offloaded") or {}).get("groups"):
+        return DEVICE_GIB, fit["offloaded"]["groups"], True
     if fit.get("needs_gib"):
-        return float(math.ceil(fit["needs_gib"] + 0.5)), fit["needs_groups"]
-    return DEVICE_GIB, 3 if family == "sdxl" else 1
+        return float(math.ceil(fit["needs_gib"] + 0.5)), fit["needs_groups"], False
+    return DEVICE_GIB, 3 if family == "sdxl" else 1, False
 
 
 def _median(xs):
@@ -212,7 +218,7 @@ def _median(xs):
 
 def _fit(session, context):
     try:
-        return device_fit(session, warm_ranks(session), DEVICE_GIB, context)
+        return checked(session, warm_ranks(session), DEVICE_GIB, context)
     except Exception as err:  # recorded; the run goes on with the default groups
         return {"error": f"{type(err).__name__}: {err}"}
 

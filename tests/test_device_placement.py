@@ -127,6 +127,44 @@ def test_a_training_run_reaches_every_phase_on_the_device(trained_on_device):
     assert AdapterSet.load(out).ranks() == result.adapters.ranks()
 
 
+def test_an_offloaded_teacher_trains_the_same_adapters_with_its_weights_never_on_the_device(trained_on_device, request,
+                                                                                           monkeypatch, tmp_path):
+    """``offload_teacher`` (an 8 GB card's SDXL run): the same run with the teacher's weights kept on the CPU and each
+    layer copied to the device for its call reaches every phase, holds no teacher weight on the device at any
+    progress report, and ends with the adapters of the run with the teacher on the device (bit for bit on the
+    emulated device, which runs the CPU's kernels either way)."""
+    from sdslim_core.train import teacher as teacher_mod
+    placements = []
+    real_init = teacher_mod.TeacherPlacement.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        placements.append(self)
+    monkeypatch.setattr(teacher_mod.TeacherPlacement, "__init__", init)
+    reference, _, _ = trained_on_device
+    acc = request.node.callspec.params["trained_on_device"]
+    seen, where = [], set()
+
+    def report(done, total, info):
+        seen.append(info.get("stage"))
+        where.add(placements[-1].where)
+        assert {t.device.type for t in placements[-1].unet.parameters()} == {"cpu"}, info
+    calib = Calibration.from_contexts(torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1)))
+    tc = TrainConfig(ratio=0.5, n_trajectories=4, sample_steps=2, guidance=3.0, latent_size=8, ff_inputs=8,
+                     res_maps=8, stage1_steps=2, stage2_steps=4, stage2_groups=2, checkpoint_every=1, seed=0,
+                     offload_teacher=True)
+    with on(acc) as dev:
+        result = train_adapters(_teacher(), micro_config(), calib, tc, tmp_path / "a.safetensors", progress=report,
+                                device=str(dev))
+    assert {"calibration", "capture", "init", 1, 2} <= set(seen) and where == {"cpu", "offloaded"}
+    for site, tensors in reference.adapters.sites.items():
+        for k, v in tensors.items():
+            if acc == "emulated":
+                assert torch.equal(result.adapters.sites[site][k], v), (site, k)
+            else:
+                torch.testing.assert_close(result.adapters.sites[site][k], v, **CLOSE[acc])
+
+
 # ------------------------------------------------------------------------------------ the commands with --device
 
 HALF = tiny.ASSETS / "tiny_sd15_slim_half.safetensors"          # the shipped demo adapter file (float32)
@@ -192,19 +230,22 @@ def micro_ckpt(tmp_path_factory):
 
 def test_the_recipes_plan_and_refit_run_on_a_device(acc, micro_ckpt, tmp_path):
     """Guards the plan's warm-up (train/plan.py _stage2_step: the GPU run's --plan-only crash), data-free, quick and
-    the --from refit with --device."""
+    the --from refit with --device; the warm-up and the refit also with the teacher offloaded."""
     small = ["--trajectories", "2", "--sample-steps", "2", "--latent-size", "8", "--no-vram-estimate", "--no-progress"]
     with on(acc) as dev:
         plan = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "p.safetensors", *small,
                                "--plan-only", "--device", dev, "--json"))
         assert plan["recipes"]["full"]["eta_s"] > 0 and not (tmp_path / "p.safetensors").exists()
+        offloaded = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "p.safetensors", *small,
+                                    "--plan-only", "--offload-teacher", "on", "--device", dev, "--json"))
+        assert offloaded["recipes"]["full"]["eta_s"] > 0
         _cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "free.safetensors", "--recipe", "data-free",
              "--device", dev, "--no-progress")
         quick = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "quick.safetensors", "--recipe",
                                 "quick", *small, "--no-plan", "--device", dev, "--json"))
         refit = json.loads(_cli("train", "--ckpt", micro_ckpt, "--out", tmp_path / "refit.safetensors", "--from",
                                 tmp_path / "quick.safetensors", *small, "--stage2-steps", "2", "--no-plan",
-                                "--device", dev, "--json"))
+                                "--offload-teacher", "on", "--device", dev, "--json"))
     assert quick["budget"] and refit["steps"] == {"stage1_per_site": 0, "stage2": 2}
     for f in ("free", "quick", "refit"):
         aset = AdapterSet.load(tmp_path / f"{f}.safetensors")

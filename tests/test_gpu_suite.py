@@ -188,10 +188,17 @@ def test_dry_run_speed_weights_and_flops_match_independent_counts(dry):
 
 
 def test_the_trainer_part_limits_a_run_that_does_not_fit_8gb_to_the_device_the_check_names():
+    """8 GiB with the check's groups; where only the offloaded teacher fits, 8 GiB with it offloaded (SDXL); where
+    neither does, the device the check names with the teacher on it."""
     import gpu_trainer
-    assert gpu_trainer.run_device({"groups": 2, "needs_gib": 7.1, "needs_groups": 1}, "sd15") == (8.0, 2)
-    assert gpu_trainer.run_device({"groups": None, "needs_gib": 10.91, "needs_groups": 8}, "sdxl") == (12.0, 8)
-    assert gpu_trainer.run_device({"error": "x"}, "sdxl") == (8.0, 3)
+    assert gpu_trainer.run_device({"groups": 2, "needs_gib": 7.1, "needs_groups": 1}, "sd15") == (8.0, 2, False)
+    off = {"groups": 6, "needs_gib": 6.9, "needs_groups": 3}
+    assert gpu_trainer.run_device({"groups": None, "needs_gib": 10.91, "needs_groups": 8, "offloaded": off},
+                                  "sdxl") == (8.0, 6, True)
+    off = {"groups": None, "needs_gib": 8.3, "needs_groups": 8}
+    assert gpu_trainer.run_device({"groups": None, "needs_gib": 10.91, "needs_groups": 8, "offloaded": off},
+                                  "sdxl") == (12.0, 8, False)
+    assert gpu_trainer.run_device({"error": "x"}, "sdxl") == (8.0, 3, False)
 
 
 def test_the_trainer_part_reads_the_allocation_from_its_work_folder(tmp_path):

@@ -163,19 +163,20 @@ def test_plan_only_prices_the_ladder_with_warm_up_progress_lines(tmp_path, capsy
 
 def test_plan_only_fit_gib_names_the_groups_or_the_device_the_run_needs(tmp_path, capsys):
     """--fit-gib through the CLI with the real estimator on the tiny model: a card it fits is named with its
-    stage-2 groups; one far too small gets the phase that is over and the device size the run needs (the largest of
-    its phases' peaks at the groups with the lowest stage-2 peak)."""
+    stage-2 groups (here with the teacher offloaded, as asked); one far too small gets the phase that is over and
+    the device size the run needs (the largest of its phases' peaks at the groups with the lowest stage-2 peak).
+    (With --offload-teacher auto the check adds the offloaded placement where nothing fits: test_train_modules.)"""
     _, err = _run(capsys, "train", "--ckpt", TINY, "--out", tmp_path / "a.safetensors", *CALIB, "--plan-only",
-                  "--fit-gib", "8", "--context-gib", "0.5")
-    assert "fits 8 GiB with --stage2-groups 1;" in err
+                  "--fit-gib", "8", "--context-gib", "0.5", "--offload-teacher", "on")
+    assert "fits 8 GiB with --offload-teacher on and --stage2-groups 1;" in err and "teacher offloaded, " in err
     out, err = _run(capsys, "train", "--ckpt", TINY, "--out", tmp_path / "a.safetensors", *CALIB, "--plan-only",
-                    "--fit-gib", "0.01", "--context-gib", "0.5", "--json")
+                    "--fit-gib", "0.01", "--context-gib", "0.5", "--offload-teacher", "off", "--json")
     fit = json.loads(out)["device_fit"]
     assert fit["groups"] is None and fit["needs_gib"] > 0.5 and "does not fit 0.01 GiB" in fit["text"]
     assert f"it needs a device of {fit['needs_gib']:.1f} GiB, with --stage2-groups {fit['needs_groups']}" in fit["text"]
     by_groups = fit["stage2_gib_by_groups"]
     assert fit["needs_gib"] == max(fit["calibration_gib"], fit["stage1_gib"], by_groups[str(fit["needs_groups"])])
-    assert by_groups[str(fit["needs_groups"])] == min(by_groups.values())
+    assert by_groups[str(fit["needs_groups"])] == min(by_groups.values()) and "offloaded" not in fit
 
 
 def test_plan_shrinks_or_refuses_when_the_ram_is_short(tmp_path, capsys, monkeypatch):

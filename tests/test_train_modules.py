@@ -341,7 +341,8 @@ def test_auto_stage2_groups_on_cuda_are_the_checks_fewest_that_fit_this_gpu(monk
         said = []
         session = SimpleNamespace(site_list=site_list, site_order=[s.name for s in site_list], cfg=cfg, shapes=shapes,
                                   tc=TrainConfig(), latent_size=128, device=torch.device("cuda"),
-                                  teacher_dtype=torch.float16, optimizer_name="adamw8bit", say=said.append)
+                                  teacher_dtype=torch.float16, optimizer_name="adamw8bit", say=said.append,
+                                  placement=SimpleNamespace(offload=False))
         calls.clear()
         n = stage2.resolve_groups(session, ranks)
         first = len(calls)
@@ -360,6 +361,72 @@ def test_auto_stage2_groups_on_cuda_are_the_checks_fewest_that_fit_this_gpu(monk
                         f"this GPU's {device:.2f} GiB (its context now {context:.2f} GiB)"
                         + ("" if fits else "; more than it has: stage 2 may run out of memory")]
     assert 6.0 + per * sum(size.values()) + context <= 40.0        # the cases: one group, 5 groups, none fits
+
+
+def test_offloading_the_teacher_is_offered_where_nothing_fits_and_auto_takes_it_only_then(monkeypatch):
+    """Where no stage-2 split fits with the teacher on the device, the check adds what offloading it gives (the
+    estimator run with the teacher offloaded: here its 4.8 GiB leave every phase), and ``offload_teacher=auto`` on
+    CUDA offloads exactly then (when it fits, or needs less), stage 2's groups then coming from the offloaded check;
+    on/off are taken as said without an estimate, and a CPU run never offloads."""
+    from types import SimpleNamespace
+    from sdslim_core.train import device_fit as fit_mod, stage2
+    from sdslim_core.train.teacher import TeacherPlacement
+    shapes, cfg = canonical_shapes_for_arch("sdxl")
+    site_list = layout.sites(shapes)
+    ranks = rank_policy.ranks_for_ratio(site_list, 0.5)
+    size = {s.name: ranks_mod.adapter_param_count([s], ranks) for s in site_list}
+    per, context, teacher = 13 / 2 ** 30, 1.0, 4.8
+    calls = []
+
+    def predict(*a, train_sites=None, offload=False, **k):
+        calls.append(offload)
+        t = 0.0 if offload else teacher
+        r = 1.0 + t + per * sum(size[s] for s in (train_sites or size))
+        est = {"stage2": {"reserved_gib": r, "peak_gib": r}, "calibration": {"reserved_gib": 3.0 + t, "peak_gib": 3.0}}
+        return {"peak_gib": 1.0, "estimator": est, "stages_gib": {"stage1": 2.0 + t}}
+    monkeypatch.setattr(fit_mod, "predict", predict)
+    monkeypatch.setattr(fit_mod, "measured_context_gib", lambda d: context)
+
+    def largest(g):
+        return max(stage2.split_groups([s.name for s in site_list], size, g), key=lambda grp: sum(size[s] for s in grp))
+
+    def session_for(device, want="auto", kind="cuda"):
+        monkeypatch.setattr(fit_mod, "default_device_gib", lambda d: device)
+        return SimpleNamespace(site_list=site_list, site_order=[s.name for s in site_list], cfg=cfg, shapes=shapes,
+                               tc=TrainConfig(offload_teacher=want), latent_size=128, device=torch.device(kind),
+                               teacher_dtype=torch.float16, optimizer_name="adamw8bit", say=said.append,
+                               topo=SimpleNamespace(main=True, broadcast_object=lambda x: x),
+                               placement=TeacherPlacement(torch.nn.Linear(2, 2), cfg, torch.device(kind)))
+    cases = []
+    for device in (24.0, 8.0, 3.0):
+        said, peaks = [], {}
+        for t in (teacher, 0.0):
+            peaks[t] = {g: 1.0 + t + per * sum(size[s] for s in largest(g)) + context for g in range(1, 9)}
+        fixed = {t: max(3.0, 2.0) + t + context for t in (teacher, 0.0)}
+        fits = {t: [g for g in peaks[t] if max(peaks[t][g], fixed[t]) <= device] for t in peaks}
+        cases.append((bool(fits[teacher]), bool(fits[0.0])))
+        session = session_for(device)
+        calls.clear()
+        offloaded = fit_mod.place_teacher(session, ranks)
+        assert offloaded == session.placement.offload == (not fits[teacher])
+        fit = fit_mod.own_check(session, ranks)
+        assert set(calls) == ({False} if fits[teacher] else {False, True})            # the check ran once each
+        if fits[teacher]:
+            assert "offloaded" not in fit and not said and stage2.resolve_groups(session, ranks) == fits[teacher][0]
+            continue
+        off = fit["offloaded"]
+        assert off["groups"] == (fits[0.0][0] if fits[0.0] else None)
+        assert fit["text"].split("\n")[1].startswith(
+            f"with the teacher offloaded: fits {device:g} GiB with --offload-teacher on and --stage2-groups "
+            f"{fits[0.0][0]};" if fits[0.0] else f"with the teacher offloaded: does not fit {device:g} GiB")
+        assert said[0].startswith("the teacher is offloaded (")
+        n = stage2.resolve_groups(session, ranks)
+        assert n == (fits[0.0][0] if fits[0.0] else off["needs_groups"]) and set(calls) == {False, True}
+    assert cases == [(True, True), (False, True), (False, False)]     # fits whole, offloaded only, neither
+    for want, kind in ((True, "cuda"), (False, "cuda"), ("auto", "cpu")):
+        said, session = [], session_for(3.0, want, kind)
+        calls.clear()
+        assert fit_mod.place_teacher(session, ranks) == (want is True) and not calls
 
 
 def test_plan_only_checks_the_cuda_devices_own_memory_by_default(monkeypatch):
@@ -521,6 +588,10 @@ def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
     assert len(gates) == len(ranks)
     trainable = sum(p.numel() for p in tree.parameters() if p.requires_grad)
     assert trainable == vram.adapter_param_count(layout.sites(shapes), ranks)
+    # the frozen teacher once, as the trainer holds it (the gates' teacher sites and the students share its layers;
+    # an fp16 copy made per module holding a layer counted the sites' weights twice)
+    frozen = [b for b in tree.buffers() if b.dtype == torch.float16]
+    assert sum(b.numel() for b in frozen) == ranks_mod.param_count(shapes) and {b.device.type for b in frozen} == {"meta"}
     a = vram.analytic(cfg, ranks, TrainConfig(), 8, "adamw")
     assert a["adapter_params"] == trainable and a["stage2_static_gib"] > a["teacher_gib"]
     # stage 1's whole-UNet error measurement holds the folded layers beside the teacher: their bytes, counted from
@@ -530,6 +601,31 @@ def test_vram_estimator_model_is_the_stage2_module(monkeypatch):
     teacher_params = {id(p) for p in unet.parameters()}
     folded = sum(p.numel() for p in slim.parameters() if id(p) not in teacher_params)
     assert a["folded_gib"] * 2 ** 30 == folded * 2
+
+
+def test_vram_estimator_model_offloaded_holds_the_teacher_off_the_device(monkeypatch):
+    """``--offload-teacher``'s estimate: the frozen teacher in CPU RAM (never made on the estimated device), the
+    adapters on that device, and a forward that copies each layer there for its call (so the estimator counts what
+    the trainer's offloaded teacher puts on the device: a layer at a time)."""
+    from sdslim_core.modules import offload
+    from sdslim_core.train import vram
+    from sdslim_core.vram.settings import Settings
+    cfg = tiny_config()
+    shapes = {k: tuple(v.shape) for k, v in _canon(build_diffusers_unet(cfg, device="meta")).items()}
+    ranks = rank_policy.ranks_for_ratio(layout.sites(shapes), 0.5)
+    monkeypatch.setenv(vram._ENV, json.dumps({"ranks": ranks, "train": list(ranks), "offload": True}))
+    with torch.device("meta"):
+        tree = vram.estimator_model(Settings(unet_config=layout.diffusers_config(cfg), resolution=64))
+        calib = vram.teacher_model(Settings(unet_config=layout.diffusers_config(cfg), resolution=64))
+    frozen = [b for b in tree.buffers() if b.dtype == torch.float16]
+    assert sum(b.numel() for b in frozen) == ranks_mod.param_count(shapes) and {b.device.type for b in frozen} == {"cpu"}
+    assert {p.device.type for p in tree.parameters()} == {"meta"}
+    assert {b.device.type for b in calib.buffers()} == {"cpu"} and offload.target(calib) == torch.device("meta")
+    x, t, ctx = (torch.zeros(1, 4, 8, 8, device="meta"), torch.zeros(1, device="meta"),
+                 torch.zeros(1, 7, cfg.context_dim, device="meta"))
+    with torch.autocast("cpu", enabled=False):
+        out = tree(x.half(), t, encoder_hidden_states=ctx.half()).sample
+    assert out.device.type == "meta" and {b.device.type for b in frozen} == {"cpu"}    # the copies were dropped
 
 
 # ------------------------------------------------------------------------------------------ other teachers

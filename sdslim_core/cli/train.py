@@ -96,6 +96,10 @@ def register(subparsers):
     o.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
                    help="gradient checkpointing in stage 2 (less memory, ~1/3 more compute); auto: on CUDA, and "
                         "whenever stage 2 trains in groups")
+    o.add_argument("--offload-teacher", choices=("auto", "on", "off"), default="auto",
+                   help="keep the frozen teacher's weights in RAM and copy each layer to the GPU for its call: the "
+                        "same adapters in less VRAM (SDXL on an 8 GB card), slower; auto: only when --plan-only's "
+                        "check finds the run does not fit this GPU otherwise")
     o.add_argument("--no-vram-estimate", action="store_true", help="skip the VRAM prediction printed before "
                                                                       "training (on a GPU, --stage2-groups auto still "
                                                                       "predicts stage 2's peak)")
@@ -213,6 +217,8 @@ def config_from_args(args, pipe=None, log=None):
         kw["stage2_groups"] = "auto" if args.stage2_groups == "auto" else int(args.stage2_groups)
     if getattr(args, "grad_ckpt", "auto") != "auto":
         kw["grad_ckpt"] = args.grad_ckpt == "on"
+    if getattr(args, "offload_teacher", "auto") != "auto":
+        kw["offload_teacher"] = args.offload_teacher == "on"
     start_from = getattr(args, "start_from", None)
     if start_from:
         given = [f"--{k.replace('_', '-')}" for k in ("ratio", "ff_rank", "ff_ratio", "res_ratio", "budget")
@@ -249,14 +255,14 @@ def cmd_train(args) -> int:
         except PlanMemoryError as err:
             print(f"sdslim train: error: {err}", file=sys.stderr)
             return 2
-        from ..train.device_fit import default_device_gib, own_device_fit
+        from ..train.device_fit import default_device_gib, own_check
         from ..train.plan import warm_ranks
         own = args.fit_gib is None            # this GPU as it is now: its memory, and what it holds outside torch
         fit_gib = default_device_gib(session.device) if own else args.fit_gib
         if not fit_gib:
             fit = None
         elif own and args.context_gib is None:  # the check stage2_groups=auto trains in (the warm-up made it)
-            fit = own_device_fit(session, warm_ranks(session))
+            fit = own_check(session, warm_ranks(session))
         else:
             fit = _device_fit(session, fit_gib, args.context_gib)
         if args.json:
@@ -321,9 +327,9 @@ def _plan_ladder(args, ckpt, calib, pipe, log):
 
 def _device_fit(session, fit_gib: float, context_gib) -> dict:
     """The stage-2 groups within ``fit_gib`` of the plan's heaviest recipe (``train.device_fit``)."""
-    from ..train.device_fit import device_fit
+    from ..train.device_fit import checked
     from ..train.plan import warm_ranks
-    return device_fit(session, warm_ranks(session), fit_gib, context_gib)
+    return checked(session, warm_ranks(session), fit_gib, context_gib)
 
 
 def _data_free(args, ckpt, tc) -> int:

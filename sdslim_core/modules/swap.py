@@ -19,6 +19,7 @@ from torch import nn
 from .. import layout
 from ..io.adapters import AdapterSet
 from ..ops import fold
+from . import offload
 from .layers import resize_like, set_module
 
 TORCH_OPS = SimpleNamespace(Linear=nn.Linear, Conv2d=nn.Conv2d, GroupNorm=nn.GroupNorm)
@@ -159,8 +160,12 @@ class ResUp(nn.Module):
 
 
 def layer_device(module: nn.Module) -> torch.device:
-    """The device of a layer's weights (the CPU for a layer without any)."""
-    for t in module.parameters():
+    """The device a layer computes on: its tensors' (the CPU for a layer without any), or the device an offloaded
+    layer's tensors are copied to."""
+    dev = offload.target(module)
+    if dev is not None:
+        return dev
+    for t in list(module.parameters()) + list(module.buffers()):
         return t.device
     return torch.device("cpu")
 

@@ -88,6 +88,8 @@ class TrainConfig:
     amp: str = "auto"                      # auto = bf16 autocast on CUDA (when supported), off on CPU
     optimizer: str = "auto"                # auto = 8-bit AdamW with bitsandbytes on CUDA, else AdamW
     grad_ckpt: str | bool = "auto"         # gradient checkpointing in stage 2 (auto = on CUDA, or in groups)
+    offload_teacher: str | bool = "auto"   # teacher weights in RAM, copied to the GPU layer by layer (same result,
+                                           # slower); auto: on CUDA when the run does not fit the GPU otherwise
     checkpoint_every: int = 200            # optimizer steps between checkpoints (both stages)
     keep_checkpoints: int = 2
     work_dir: str | None = None            # default: <out>.work next to the output file
@@ -146,6 +148,8 @@ class TrainConfig:
         self.rank_grid = tuple(self.rank_grid)
         if self.stage2_groups != "auto" and (not isinstance(self.stage2_groups, int) or self.stage2_groups < 1):
             raise ValueError(f"stage2_groups must be 'auto' or a positive integer, got {self.stage2_groups!r}")
+        if self.offload_teacher not in ("auto", True, False):
+            raise ValueError(f"offload_teacher must be 'auto', True or False, got {self.offload_teacher!r}")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be ≥ 1")
         if self.start_from is not None:

@@ -33,6 +33,7 @@ from ..io.files import format_bytes
 from ..layout import rank_policy
 from ..modules import swap
 from .calibration import _store_dtype, unet_call
+from .device_fit import place_teacher
 from .fit import eval_interval
 from .memory import available_ram, gib, ram_need
 from .ranks import adapter_param_count
@@ -289,6 +290,7 @@ def warm_up(session: "Session", stage2_inputs: int) -> dict:
     t_start = time.perf_counter()
     g = torch.Generator().manual_seed(0)
     ranks = warm_ranks(session)
+    place_teacher(session, ranks)
     if not session.tc.stage2_steps:                  # a run without stage 2 (quick) needs no stage-2 step
         stage2_inputs = 0
     measured_inputs = fit_in_ram(session, ranks, stage2_inputs)

@@ -19,8 +19,9 @@ from .. import layout
 from ..io.adapters import AdapterSet, file_dtype
 from ..io.files import refuse_existing
 from .config import TrainConfig
+from .device_fit import place_teacher
 from .init import initialise
-from .plan import make_plan, replan
+from .plan import make_plan, replan, warm_ranks
 from .recipes import base_metadata
 from .session import Session
 from .sites import site_errors
@@ -72,8 +73,12 @@ def execute(session: Session) -> TrainResult:
     fp = session.fingerprint()
     session.prepare_work_dir(fp)
     vram_info = {}
-    if tc.vram_estimate and not tc.allocates() and session.topo.main:
+    if tc.allocates():
+        r0 = warm_ranks(session)                   # the plan's: uniform at the same parameter count
+    else:
         r0 = session.base.ranks() if session.base is not None else ranks_mod.ratio_ranks(session.site_list, tc)
+    place_teacher(session, r0)                     # before anything is put on the device
+    if tc.vram_estimate and not tc.allocates() and session.topo.main:
         vram_info = predict_for(session, r0, stage2.resolve_groups(session, r0))
     plan = plan_info = None
     if tc.plan and session.topo.main:

@@ -117,7 +117,7 @@ def build(session, aset: AdapterSet, group: list | None = None, done=()):
         path = swap.site_path(teacher, site, session.cfg)
         session.placement.offload_site(site)
         # after the offload: layers the folded site shares with the teacher (norm1, skip) come back to the device
-        set_module(tree, path, slim.get_submodule(path).to(session.device))
+        set_module(tree, path, session.placement.run_on_device(slim.get_submodule(path)))
     tree.requires_grad_(False)
     for a in adapters.values():
         a.requires_grad_(True)
@@ -129,7 +129,7 @@ def build(session, aset: AdapterSet, group: list | None = None, done=()):
 def measure(session, aset: AdapterSet, bank: InputBank) -> float:
     """All-student UNet error in the folded (slim) form: no adapter tensors on the device."""
     teacher = session.placement.on_device()
-    slim = swap.slim_module(teacher, aset).eval()
+    slim = session.placement.run_on_device(swap.slim_module(teacher, aset).eval())
     ids = bank.eval_ids()
     num = den = 0.0
     for i in range(0, ids.numel(), 8):
@@ -193,7 +193,7 @@ def _estimated_groups(session, ranks: dict) -> int | None:
     """The fewest stage-2 groups whose predicted device peak fits this CUDA device (the fewest at the lowest peak
     when none does), said once per ranks; None where the estimator gives nothing."""
     from .device_fit import fit_key, own_device_fit
-    fit = own_device_fit(session, ranks)
+    fit = own_device_fit(session, ranks, session.placement.offload)
     by_groups = fit.get("stage2_gib_by_groups")
     n = None if not by_groups else next((g for g, v in by_groups.items() if v <= fit["device_gib"]),
                                         fit["needs_groups"])

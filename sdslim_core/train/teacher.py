@@ -1,6 +1,7 @@
 """The teacher of a run: its weights from what the user passes (:func:`teacher_weights`), and where the frozen
-teacher UNet lives during the run: on the CPU, on the device, or mixed (the layers of finished stage-2 groups moved
-back to the CPU, their sites running folded)."""
+teacher UNet lives during the run: on the CPU, on the device, mixed (the layers of finished stage-2 groups moved
+back to the CPU, their sites running folded), or offloaded (in CPU RAM, each layer copied to the device for its
+call)."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import layout
-from ..modules import swap
+from ..modules import offload, swap
 
 
 def _heads_from_diffusers(module) -> dict:
@@ -60,32 +61,71 @@ def free_device_memory(device: torch.device):
 
 
 class TeacherPlacement:
-    """The teacher module ``unet`` (kept on the CPU between stages) and its placement on ``device``."""
+    """The teacher module ``unet`` (kept on the CPU between stages) and its placement on ``device``: whole, or with
+    ``offload`` its layers' weights copied to the device call by call (:mod:`~sdslim_core.modules.offload`),
+    which takes the teacher's weights off the device at the cost of a copy per forward."""
 
-    def __init__(self, unet: nn.Module, cfg: layout.UNetConfig, device: torch.device):
+    def __init__(self, unet: nn.Module, cfg: layout.UNetConfig, device: torch.device, offload: bool = False):
         self.unet, self.cfg, self.device = unet, cfg, device
-        self.where = "cpu"          # "cpu", str(device) or "mixed"
+        self.offload = offload and device.type != "cpu"
+        self.where = "cpu"          # "cpu", str(device), "mixed" or "offloaded"
+        self._hooks: list = []
+        self._pinned = False
+
+    def set_offload(self, offload: bool):
+        """Offload from the next placement on (the teacher goes back to the CPU first)."""
+        offload = offload and self.device.type != "cpu"
+        if offload != self.offload:
+            self.release()
+            self.offload = offload
 
     def on_device(self) -> nn.Module:
-        """The whole teacher on the device."""
+        """The whole teacher running on the device."""
+        if self.offload:
+            if self.where != "offloaded":
+                if not self._pinned and self.device.type == "cuda" and self._room_to_pin():
+                    self._pinned = offload.pin(self.unet)
+                self._hooks += offload.attach(self.unet, self.device)
+                self.where = "offloaded"
+            return self.unet
         if self.where != str(self.device):
             self.unet.to(self.device)
             self.where = str(self.device)
         return self.unet
 
+    def _room_to_pin(self) -> bool:
+        """Pinning makes a page-locked copy of weights the caller may still hold (the user's checkpoint): only
+        with twice the teacher's bytes of RAM free, so that it never pushes the host into swap."""
+        from .memory import available_ram
+        size = sum(t.numel() * t.element_size() for t in self.unet.parameters())
+        return available_ram() > 2 * size
+
     def as_placed(self) -> nn.Module:
         """The teacher as it stands when mixed (earlier groups' layers stay off the device), else on the device."""
         return self.unet if self.where == "mixed" else self.on_device()
 
+    def run_on_device(self, module: nn.Module) -> nn.Module:
+        """``module`` (made from the teacher's layers, e.g. a folded site) running on the device as the teacher
+        does: moved there, or offloaded with it."""
+        if self.offload:
+            self._hooks += offload.attach(module, self.device)
+            return module
+        return module.to(self.device)
+
     def offload_site(self, site: str):
         """Move one site's teacher layers off the device (a finished stage-2 group runs folded)."""
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not self.offload:
             self.site(site).to("cpu")
             self.where = "mixed"
 
     def release(self):
         """Back to the CPU, freeing the device's cache."""
-        if self.where != "cpu":
+        if self.where == "offloaded":
+            offload.detach(self.unet, self._hooks)
+            self._hooks = []
+            self.where = "cpu"
+            free_device_memory(self.device)
+        elif self.where != "cpu":
             self.unet.to("cpu")
             self.where = "cpu"
             free_device_memory(self.device)
@@ -98,4 +138,6 @@ class TeacherPlacement:
         mod = self.site(site)
         if self.where == str(self.device):
             return mod
-        return copy.deepcopy(mod).to(self.device)
+        copied = copy.deepcopy(mod)
+        offload.detach(copied, [])
+        return copied.to(self.device)

@@ -25,7 +25,7 @@ import torch
 from .. import layout
 from ..io.adapters import AdapterSet
 from ..layout.rank_policy import res_groups
-from ..modules import swap
+from ..modules import offload, swap
 from ..modules.layers import set_module
 from ..modules.unet import build_diffusers_unet
 from ..ops.fold import site_keys, slim_shapes
@@ -46,15 +46,16 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
 
 
 def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_bytes: int = 2,
-             train_sites=None) -> dict:
-    """Resident bytes per stage (GiB), from shapes only (stage 2: the ``train_sites`` group's adapters)."""
+             train_sites=None, offload: bool = False) -> dict:
+    """Resident bytes per stage (GiB), from shapes only (stage 2: the ``train_sites`` group's adapters; with
+    ``offload`` the teacher's weights are not resident)."""
     unet = build_diffusers_unet(cfg, device="meta")
     canon, _, _ = layout.to_canonical({k: tuple(v.shape) for k, v in unet.state_dict().items()})
     site_list = layout.sites(canon)
     n_teacher = param_count(canon)
     n_adapt = adapter_param_count(site_list, ranks)
     ob = optimizer_bytes_per_param(optimizer)
-    teacher = n_teacher * teacher_bytes
+    teacher = 0 if offload else n_teacher * teacher_bytes
     # stage 1: the largest site's layers + its adapter (param, grad, optimizer) + a batch of activations
     s1 = 0
     level = {}
@@ -78,8 +79,8 @@ def analytic(cfg, ranks: dict, tc, latent_size: int, optimizer: str, teacher_byt
     # device, later groups are plain teacher)
     s2_static = teacher + n_group * (4 + 4 + ob)
     slim = slim_shapes(canon, {s.name: ranks[s.name] for s in site_list if s.name in ranks})
-    folded = sum(math.prod(slim[k]) for s in site_list if s.name in ranks for k in site_keys(s.name, s.kind)
-                 if k in slim) * teacher_bytes
+    folded = 0 if offload else sum(math.prod(slim[k]) for s in site_list if s.name in ranks
+                                   for k in site_keys(s.name, s.kind) if k in slim) * teacher_bytes
     return {"teacher_params": n_teacher, "adapter_params": n_adapt, "stage2_group_adapter_params": n_group,
             "teacher_gib": teacher / GIB,
             "adapters_gib": n_group * 4 / GIB, "grads_gib": n_group * 4 / GIB, "optimizer_gib": n_group * ob / GIB,
@@ -118,65 +119,86 @@ def _empty_adapter_set(by_name: dict, ranks: dict):
     return aset
 
 
+def _frozen_teacher(settings, offloaded: bool):
+    """The estimated run's frozen teacher: fp16 buffers on the device, or (``offloaded``) in CPU RAM with each
+    layer's copied to the device for its call, as :class:`~.teacher.TeacherPlacement` holds it (built on the CPU
+    then, so nothing of it is ever on the device)."""
+    if not offloaded:
+        return _frozen_fp16(harness.original_unet(settings))
+    device = torch.empty(0).device                 # the estimator's (fake) device: the context's default
+    with torch.device("cpu"):
+        unet = _frozen_fp16(harness.original_unet(settings))
+    offload.attach(unet, device)
+    return unet
+
+
+def _spec() -> dict:
+    spec = json.loads(os.environ.get(_ENV, "{}"))
+    return {"ranks": spec.get("ranks", spec if "train" not in spec else {}), "train": spec.get("train"),
+            "offload": bool(spec.get("offload"))}
+
+
 def estimator_model(settings):
     """Model factory for the VRAM estimator: the stage-2 module.
 
-    ``$SDSLIM_TRAIN_ESTIMATE_RANKS`` holds JSON ``{"ranks": {site: rank}, "train": [sites]}``: the ``train`` sites
-    (default all; with stage-2 groups, the largest group) get gated trainable adapters; the frozen teacher becomes
-    fp16 buffers.
+    ``$SDSLIM_TRAIN_ESTIMATE_RANKS`` holds JSON ``{"ranks": {site: rank}, "train": [sites], "offload": bool}``: the
+    ``train`` sites (default all; with stage-2 groups, the largest group) get gated trainable adapters; the frozen
+    teacher is :func:`_frozen_teacher`.
     """
-    unet = harness.original_unet(settings)
-    spec = json.loads(os.environ.get(_ENV, "{}"))
-    ranks = spec.get("ranks", spec if "train" not in spec else {})
-    train = spec.get("train") or list(ranks)
+    spec = _spec()
+    unet = _frozen_teacher(settings, spec["offload"])
+    ranks = spec["ranks"]
+    train = spec["train"] or list(ranks)
     canon, _, _ = layout.to_canonical(dict(unet.state_dict()))
     by_name = {s.name: s for s in layout.sites({k: tuple(v.shape) for k, v in canon.items()})}
     cfg = swap.tree_config(unet)
     train_set = _empty_adapter_set(by_name, {s: ranks[s] for s in train})
-    tree, adapters = swap.attach_train_adapters(unet, train_set)
+    tree, adapters = swap.attach_train_adapters(unet, train_set)       # adapters on the device the layers run on
     students = {s: tree.get_submodule(swap.site_path(unet, s, cfg)) for s in train}
     # with stage-2 groups, the first group is the peak: later sites are the teacher; finished groups (later on)
     # run folded with their teacher layers off the device, which only lowers the total
     for site, student in students.items():
         path = swap.site_path(unet, site, cfg)
         set_module(tree, path, SiteGate(site, by_name[site].kind, unet.get_submodule(path), student))
-    _freeze_as_fp16_buffers(tree, keep=set(adapters.values()))
     return tree
 
 
 def teacher_model(settings):
-    """Model factory for the estimator's calibration step: the teacher with fp16 frozen weights."""
-    unet = harness.original_unet(settings)
-    _freeze_as_fp16_buffers(unet, keep=set())
+    """Model factory for the estimator's calibration step: the teacher as :func:`_frozen_teacher` holds it."""
+    return _frozen_teacher(settings, _spec()["offload"])
+
+
+def _frozen_fp16(unet):
+    """``unet`` with every parameter turned into an fp16 buffer (one per parameter, however many modules share it):
+    that is how the trainer holds the frozen teacher on CUDA, and the estimator's harness makes all *parameters*
+    trainable (full fine-tune); the adapters attached afterwards are the only parameters."""
+    made = {}
+    for module in unet.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            del module._parameters[name]
+            if id(p) not in made:
+                made[id(p)] = p.detach().to(torch.float16)
+            module.register_buffer(name, made[id(p)])            # in the state dict: layouts read it
     return unet
 
 
-def _freeze_as_fp16_buffers(tree, keep: set):
-    """Turn every parameter outside the ``keep`` modules into an fp16 buffer: that is how the trainer holds the
-    frozen teacher on CUDA, and the estimator's harness makes all *parameters* trainable (full fine-tune)."""
-    kept = {id(p) for m in keep for p in m.parameters()}
-    for module in tree.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or id(p) in kept:
-                continue
-            del module._parameters[name]
-            module.register_buffer(name, p.detach().to(torch.float16), persistent=False)
-
-
 def estimate(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: bool, timeout: float = 900,
-             train_sites=None) -> dict:
-    """Stage-2 and calibration peaks from the VRAM estimator (GiB, corrected to an fp16 teacher)."""
+             train_sites=None, offload: bool = False) -> dict:
+    """Stage-2 and calibration peaks from the VRAM estimator (GiB; an fp16 teacher, offloaded with ``offload``)."""
     arch = cfg.family if cfg.family in ("sd15", "sd2", "sdxl") else "sd15"
     base = dict(arch=arch, resolution=latent_size * 8, precision="amp-bf16", unet_config=layout.diffusers_config(cfg),
                 model_factory="sdslim_core.train.vram:estimator_model")
     opt = {"adamw8bit": "adamw8bit", "adamw": "adamw-fused"}.get(optimizer, "adamw-fused")
-    jobs = [("stage2", Settings(optimizer=opt, grad_ckpt=grad_ckpt, **base), "stage2"),
-            ("calibration", Settings(sampling=True, **dict(base, model_factory="sdslim_core.train.vram:teacher_model")),
-             "calibration")]
-    env = dict(os.environ, **{_ENV: json.dumps({"ranks": ranks, "train": list(train_sites or ranks)})})
     batch2 = max(1, tc.stage2_batch)
     want = {"stage2": batch2, "calibration": CALIBRATION_BATCH}
-    results = estimate_many(jobs, batch_sizes=tuple(sorted(set(want.values()))), timeout=timeout, env=env)
+    jobs = [("stage2", Settings(optimizer=opt, grad_ckpt=grad_ckpt, **base), "stage2", (batch2,)),
+            ("calibration", Settings(sampling=True, **dict(base, model_factory="sdslim_core.train.vram:teacher_model")),
+             "calibration", (CALIBRATION_BATCH,))]                  # each job at its own batch only
+    env = dict(os.environ, **{_ENV: json.dumps({"ranks": ranks, "train": list(train_sites or ranks),
+                                                 "offload": offload})})
+    results = estimate_many(jobs, timeout=timeout, env=env)
     out = {}
     for r in results:
         point = next(p for p in r.points if p["batch"] == want[r.name])
@@ -188,17 +210,18 @@ def estimate(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: 
 
 
 def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: bool, use_estimator: bool = True,
-            timeout: float = 900, train_sites=None) -> dict:
+            timeout: float = 900, train_sites=None, offload: bool = False) -> dict:
     """Predicted peak per stage and overall (GiB) with a one-line ``text``; ``train_sites``: the largest
-    stage-2 group when stage 2 runs in groups."""
-    a = analytic(cfg, ranks, tc, latent_size, optimizer, train_sites=train_sites)
+    stage-2 group when stage 2 runs in groups; ``offload``: the teacher offloaded (``--offload-teacher``)."""
+    a = analytic(cfg, ranks, tc, latent_size, optimizer, train_sites=train_sites, offload=offload)
     result = {"analytic": a, "latent_size": latent_size, "optimizer": optimizer, "grad_ckpt": grad_ckpt,
+              "offload": offload,
               "stage2_group_sites": len(train_sites) if train_sites else len(ranks)}
     est = None
     if use_estimator:
         try:
             est = estimate(cfg, ranks, tc, latent_size, optimizer, grad_ckpt, timeout=timeout,
-                           train_sites=train_sites)
+                           train_sites=train_sites, offload=offload)
         except ImportError as err:
             result["estimator"] = f"unavailable ({err})"
         except Exception as err:  # the estimator is optional: never block training on it
@@ -213,7 +236,7 @@ def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: b
         result["stages_gib"] = {"calibration": cal, "stage1": s1, "stage2": s2}
         result["peak_gib"] = max(cal, s1, s2)
         result["text"] = (f"predicted peak {result['peak_gib']:.2f} GiB (stage 2 {s2:.2f}, calibration {cal:.2f}, "
-                          f"stage 1 {s1:.2f}; VRAM estimator on fake tensors, fp16 teacher, "
+                          f"stage 1 {s1:.2f}; VRAM estimator on fake tensors, fp16 teacher{' offloaded' if offload else ''}, "
                           f"{optimizer}, latent {latent_size}², batch {tc.stage2_batch}"
                           f"{', grad ckpt' if grad_ckpt else ''}"
                           f"{f', stage 2 in groups (largest {len(train_sites)} sites)' if train_sites else ''})")
@@ -236,6 +259,6 @@ def predict_for(session, ranks: dict, stage2_groups: int) -> dict:
     session.say("predicting peak VRAM (the VRAM estimator runs the training step on fake tensors, ~1 min)…")
     info = predict(session.cfg, ranks, tc, session.latent_size, opt,
                    grad_ckpt=session.use_grad_ckpt(stage2_groups) or device.type != "cuda",
-                   train_sites=train_sites if stage2_groups > 1 else None)
+                   train_sites=train_sites if stage2_groups > 1 else None, offload=session.placement.offload)
     session.say("VRAM: " + info["text"])
     return info

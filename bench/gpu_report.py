@@ -245,6 +245,10 @@ def _trainer(r) -> list:
         lambda t: f"{_f(run_fit(t)['calibration_gib'])} / {_f(run_fit(t)['stage1_gib'])} / "
         f"{_f(run_fit(t)['stage2_gib_by_groups'][str(t['run']['stage2_groups'])])}")
     row("fits that device (measured)", lambda t: t["run"].get("fits_device", t["run"].get("fits_8gb")))
+    row("offloaded teacher: forward b8 / stage-2 step, s (× on the device)",
+        lambda t: f"{_f(t['offload_cost']['offloaded']['forward_batch8_s'], '{:.3f}')} / "
+        f"{_f(t['offload_cost']['offloaded']['stage2_step_s'], '{:.3f}')} "
+        f"(×{_f(t['offload_cost']['ratio']['forward_batch8_s'])} / ×{_f(t['offload_cost']['ratio']['stage2_step_s'])})")
     row("steps/s stage 1 / stage 2", lambda t: f"{_f(t['run']['steps_per_s'].get('stage1'))} / "
         f"{_f(t['run']['steps_per_s'].get('stage2'))}")
     row("s/step plan vs measured: stage 1, stage 2",

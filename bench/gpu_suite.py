@@ -71,9 +71,9 @@ PLAN = (
          "worker processes with no GPU visible, beside the GPU parts)", 380, 0, dry_cap_s=240, background=True),
     Part("seed_study", "vram", "the seed's training-VRAM matrix measured (SD1.5 768 px B=1…16 and a few points per "
          "setting, SDXL points): allocated, reserved, NVML", 70, 55, fresh=True),
-    Part("trainer_sd15", "trainer", "SD1.5: the plan (quick/full ETA on this GPU) + its 8 GB check; train_adapters "
-         "on CUDA, random full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit",
-         110, 100),
+    Part("trainer_sd15", "trainer", "SD1.5: the plan (quick/full ETA on this GPU) + its 8 GB check + the offloaded "
+         "teacher's cost (a forward and a stage-2 step, on the device vs offloaded); train_adapters on CUDA, random "
+         "full-size teacher, default allocation at 0.5, every phase, under an 8 GiB device limit", 110, 100),
     Part("speed_sd15", "speed", "UNet fp16 SD1.5 512² B=1,4,8, eager + CUDA-graph replay, FLOPs: original, slim "
          "0.75/0.5/0.25, allocated (trainer_sd15's) and rounded to 64, 5/16 tiled vs whole groups only, fp8 "
          "storage, channels_last (B=1)", 60, 50),
@@ -82,8 +82,8 @@ PLAN = (
          "sites, original vs slim 0.5/0.25 and candidates", 20, 17),
     Part("sampling_vram", "vram", "sampling VRAM SD1.5 512² / SDXL 1024²: original, slim 0.5, fp8, GGUF Q8_0/Q4_0 "
          "kept quantised; UNet at CFG batch 2 + VAE decode", 30, 20, fresh=True),
-    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5; the check predicts no fit in 8 GiB, so "
-         "the run is limited to the device size it names, with its stage-2 groups)",
+    Part("trainer_sdxl", "trainer", "SDXL: the same (every site at uniform 0.5; the check predicts a fit in 8 GiB only "
+         "with the teacher offloaded, so the run is under 8 GiB offloaded, in the check's stage-2 groups)",
          110, 80),
     Part("speed_compile", "speed", "torch.compile(mode='reduce-overhead'): SD1.5 512² B=1 original vs slim 0.5",
          240, 0, dry_cap_s=300, optional=True),

@@ -16,6 +16,8 @@ Per family, in one part:
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import threading
 import time
@@ -121,6 +123,8 @@ def trainer(ctx: Context, family: str) -> dict:
                    "stage2_step_s": w["stage2_step_s"],
                    "stage1_step_s_median": _median(list(w["stage1_step_s"].values())),
                    "text": ladder.text()}
+    if family == "sd15" and cuda:
+        out["offload_cost"] = offload_cost(session)
     ctx.partial(out)
     fit_thread.join(timeout=max(1.0, ctx.remaining() - 30))
     out["fit_8gb"] = {k: v for k, v in fit.items() if k != "raw"} or {"error": "the 8 GB check did not finish"}
@@ -211,14 +215,42 @@ def run_device(fit: dict, family: str) -> tuple[float, int, bool]:
     return DEVICE_GIB, 3 if family == "sdxl" else 1, False
 
 
+def offload_cost(session) -> dict:
+    """What ``--offload-teacher`` costs on this GPU: seconds of a no-grad teacher forward at batch 8 and of one
+    stage-2 step (every site trained, the warm-up's ranks, gradient checkpointing) with the teacher on the device and
+    offloaded, the same session and inputs (the plan's own timers: a GPU call is timed on its second run)."""
+    from sdslim_core.train import plan
+    ranks = warm_ranks(session)
+    out = {}
+    for where, offloaded in (("on_device", False), ("offloaded", True)):
+        g = torch.Generator().manual_seed(0)
+        inputs = plan._random_inputs(session, 8, g)
+        session.placement.set_offload(offloaded)
+        teacher = session.placement.on_device()
+
+        def forward():
+            with torch.no_grad(), session.amp():
+                plan.unet_call(teacher, inputs)
+            plan._sync(session.device)
+        out[where] = {"forward_batch8_s": plan._timed(forward, session.device),
+                      "stage2_step_s": plan._stage2_step(session, ranks, 1, g)}
+        session.placement.release()
+    session.placement.set_offload(False)
+    out["ratio"] = {k: out["offloaded"][k] / out["on_device"][k] for k in out["on_device"]}
+    return out
+
+
 def _median(xs):
     xs = sorted(x for x in xs if x is not None and not math.isnan(x))
     return xs[len(xs) // 2] if xs else None
 
 
 def _fit(session, context):
+    """The 8 GB check for both placements (the plan's session keeps the teacher on this large GPU)."""
+    view = copy.copy(session)
+    view.tc = dataclasses.replace(session.tc, offload_teacher="auto")
     try:
-        return checked(session, warm_ranks(session), DEVICE_GIB, context)
+        return checked(view, warm_ranks(session), DEVICE_GIB, context)
     except Exception as err:  # recorded; the run goes on with the default groups
         return {"error": f"{type(err).__name__}: {err}"}
 

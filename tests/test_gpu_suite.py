@@ -201,6 +201,38 @@ def test_the_trainer_part_limits_a_run_that_does_not_fit_8gb_to_the_device_the_c
     assert gpu_trainer.run_device({"error": "x"}, "sdxl") == (8.0, 3, False)
 
 
+def test_the_offload_cost_times_both_placements_of_one_session(tmp_path, monkeypatch):
+    """trainer_sd15's offload_cost (CUDA only in the suite) on the emulated device: a forward and a stage-2 step
+    timed with the teacher on the device and offloaded (the teacher's weights on the CPU during the second), the
+    session's teacher on the device again afterwards (the part's run does not inherit the offloading)."""
+    import gpu_trainer
+    from emulated_device import on
+    from sdslim_core import tiny
+    from sdslim_core.modules.unet import open_checkpoint
+    from sdslim_core.train import Calibration, TrainConfig
+    from sdslim_core.train.session import Session
+    from sdslim_core.train.teacher import teacher_weights
+    ckpt = open_checkpoint(tiny.DEFAULT_PATH)
+    weights, cfg = teacher_weights(ckpt, ckpt.config)
+    calib = Calibration.from_contexts(torch.randn(2, 5, cfg.context_dim, generator=torch.Generator().manual_seed(1)))
+    where = []
+    with on("emulated") as dev:
+        session = Session(weights, cfg, TrainConfig(device=str(dev), stage2_groups=1, offload_teacher=False,
+                                                    latent_size=8), calib, tmp_path / "p.safetensors", None, False)
+        placement, place = session.placement, session.placement.on_device
+
+        def on_device():                  # where the teacher's weights are each time a measurement places it
+            teacher = place()
+            where.append((placement.where, {p.device.type for p in teacher.parameters()}))
+            return teacher
+        monkeypatch.setattr(placement, "on_device", on_device)
+        cost = gpu_trainer.offload_cost(session)
+    assert set(cost) == {"on_device", "offloaded", "ratio"}
+    assert all(v > 0 for part in ("on_device", "offloaded") for v in cost[part].values())
+    assert not session.placement.offload and session.placement.where == "cpu"
+    assert where[0] == (str(dev), {dev.type}) and where[-1] == ("offloaded", {"cpu"})
+
+
 def test_the_trainer_part_reads_the_allocation_from_its_work_folder(tmp_path):
     """The speed part times trainer_sd15's allocated ranks; the trainer part takes them from ranks.json as soon as
     the allocation ends (the H200 run's part was stopped by its cap before the end and left none)."""

@@ -106,9 +106,8 @@ def trainer(ctx: Context, family: str) -> dict:
     weights, _ = teacher_weights(unet, cfg)
     # on CUDA one stage-2 group and the teacher on the device, what auto gives on a large GPU, without its estimator
     # run inside this part's cap
-    dev = dict(device=ctx.device, stage2_groups=1, offload_teacher=False) if not ctx.dry else dict(device="cpu", latent_size=8,
-                                                                            n_trajectories=4, sample_steps=2,
-                                                                            ff_tokens=512, res_maps=16)
+    dev = dict(device=ctx.device, stage2_groups=1, offload_teacher=False) if not ctx.dry else \
+        dict(device="cpu", latent_size=8, n_trajectories=4, sample_steps=2, ff_tokens=512, res_maps=16)
     full = TrainConfig(**dev, log=ctx.log)
     variants = {"quick": TrainConfig(**{**dev, **recipes.settings("quick")}, log=ctx.log), "full": full}
     session = Session(weights, cfg, full, calib, ctx.work / f"plan-{family}.safetensors", None, False)
@@ -143,7 +142,8 @@ def trainer(ctx: Context, family: str) -> dict:
         torch.cuda.set_per_process_memory_fraction(limit / total)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    out["run"] = {"stage2_groups": groups, "offload_teacher": offload, "device_gib": device_gib, "limit_gib": None if limit is None else limit / GIB,
+    out["run"] = {"stage2_groups": groups, "offload_teacher": offload, "device_gib": device_gib,
+                  "limit_gib": None if limit is None else limit / GIB,
                   "config": {k: getattr(tc, k) for k in ("ratio", "uniform", "stage1_steps", "stage2_steps",
                                                          "n_trajectories", "sample_steps", "init_methods",
                                                          "alloc_inputs")}}

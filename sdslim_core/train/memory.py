@@ -15,16 +15,10 @@ PROBE_LATENT = 16       # the latent size of the counting forward (the smallest 
 
 
 def available_ram() -> int:
-    """Bytes of RAM free for this process now (``MemAvailable``; the physical size where /proc is missing)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    from .stage2 import physical_memory
-    return physical_memory()
+    """Bytes of RAM free for this process now (psutil's ``available``: Linux's MemAvailable, and what Windows and
+    macOS report as such)."""
+    import psutil
+    return psutil.virtual_memory().available
 
 
 def saved_per_input(teacher: torch.nn.Module, cfg: layout.UNetConfig, latent_size: int) -> tuple[int, int]:

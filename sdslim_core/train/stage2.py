@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -159,8 +158,9 @@ def auto_groups(teacher_bytes: int, adapter_params: int, optimizer: str, total_b
 
 
 def physical_memory() -> int:
-    """Bytes of RAM on this machine."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Bytes of RAM on this machine (psutil: also on Windows, which has no ``os.sysconf``)."""
+    import psutil
+    return psutil.virtual_memory().total
 
 
 def resolve_groups(session, ranks: dict) -> int:

@@ -236,7 +236,8 @@ def predict(cfg, ranks: dict, tc, latent_size: int, optimizer: str, grad_ckpt: b
         result["stages_gib"] = {"calibration": cal, "stage1": s1, "stage2": s2}
         result["peak_gib"] = max(cal, s1, s2)
         result["text"] = (f"predicted peak {result['peak_gib']:.2f} GiB (stage 2 {s2:.2f}, calibration {cal:.2f}, "
-                          f"stage 1 {s1:.2f}; VRAM estimator on fake tensors, fp16 teacher{' offloaded' if offload else ''}, "
+                          f"stage 1 {s1:.2f}; VRAM estimator on fake tensors, fp16 teacher"
+                          f"{' offloaded' if offload else ''}, "
                           f"{optimizer}, latent {latent_size}², batch {tc.stage2_batch}"
                           f"{', grad ckpt' if grad_ckpt else ''}"
                           f"{f', stage 2 in groups (largest {len(train_sites)} sites)' if train_sites else ''})")

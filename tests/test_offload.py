@@ -51,9 +51,12 @@ def test_a_call_that_raises_still_gives_the_layer_its_own_tensors_back():
     assert isinstance(net[0].weight, nn.Parameter) and net[0].weight.device.type == "cpu"
 
 
-def test_skipped_layers_stay_put_and_no_layer_is_hooked_twice():
+def test_no_layer_is_hooked_twice():
+    """A module built from offloaded layers (a folded site holding the teacher's norm) is offloaded in turn: only its
+    own new layers get hooks."""
     net = _net()
-    first = offload.attach(net, "cpu", skip={net[3]})       # e.g. trainable adapters inside an offloaded tree
-    assert len(first) == 2 * 2 and offload.target(net[3]) is None      # conv, norm (the SiLU holds no tensors)
+    first = offload.attach(net[3], "cpu")
+    assert len(first) == 2 and offload.target(net[0]) is None
     again = offload.attach(net, "cpu")
-    assert len(again) == 2 and offload.target(net[3]) == torch.device("cpu")       # only the skipped conv is new
+    assert len(again) == 2 * 2 and offload.target(net[0]) == torch.device("cpu")    # conv, norm (the SiLU: none)
+    assert len(net[3]._forward_pre_hooks) == len(net[3]._forward_hooks) == 1

@@ -45,17 +45,16 @@ def _drop(module: nn.Module, args, output):
     setattr(module, _HELD, [])
 
 
-def attach(module: nn.Module, device, skip: set | None = None) -> list:
-    """Offload every layer of ``module`` holding tensors of its own (not those of the ``skip`` modules, nor layers
-    already offloaded, which only take the new ``device``) to compute on ``device``; returns the hook handles."""
+def attach(module: nn.Module, device) -> list:
+    """Offload every layer of ``module`` holding tensors of its own to compute on ``device`` (layers already
+    offloaded, e.g. the teacher's inside a module built from it, only take the new ``device``); returns the new hook
+    handles."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    skipped = {id(p) for m in (skip or ()) for p in m.parameters()}
     handles = []
     for m in module.modules():
-        own = [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
-        if not own or any(id(t) in skipped for t in own):
+        if not any(t is not None for t in list(m._parameters.values()) + list(m._buffers.values())):
             continue
         if getattr(m, _TARGET, None) is None:
             handles.append(m.register_forward_pre_hook(_fetch))

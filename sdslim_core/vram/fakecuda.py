@@ -2,9 +2,10 @@
 
 ``activate()`` must run before ``import torch`` in the process (the estimate worker does this):
 
-- CPU-only torch: builds ``fake_cuda_guard.cpp`` once (g++ against torch's bundled headers) into a
-  user cache dir and loads it before torch, so autograd over FakeTensors on device 'cuda' works.
-- CUDA torch: nothing to build; fake 'cuda' tensors work natively.
+- CUDA torch with a CUDA device visible: nothing to build; fake 'cuda' tensors work natively.
+- Otherwise (a CPU-only build, or a CUDA build on a machine without a GPU, where torch's own CUDA hooks fail the
+  backward pass): builds ``fake_cuda_guard.cpp`` once (g++ against torch's bundled headers) into a user cache dir
+  and loads it before torch, so autograd over FakeTensors on device 'cuda' works.
 - No compiler/headers, a failed build, torch already imported, or ``SDSLIM_FAKE_DEVICE=cpu``:
   falls back to the fake 'cpu' device and says what that costs (``FakeDevice.note``).
 
@@ -81,12 +82,15 @@ def build_shim() -> str:
     os.makedirs(os.path.dirname(lib), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib))
     os.close(fd)
-    cmd = [compiler, "-O1", "-shared", "-fPIC", "-std=c++17", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1",
-           f"-I{include}", SHIM_SRC, f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
-           f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)   # a hang guard: minutes on a busy box
-        if proc.returncode:
+        for standard in ("c++20", "c++17"):   # torch >= 2.14's headers need C++20; an older compiler may lack it
+            cmd = [compiler, "-O1", "-shared", "-fPIC", f"-std={standard}", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1",
+                   f"-I{include}", SHIM_SRC, f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
+                   f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)   # a hang guard (busy box)
+            if not proc.returncode:
+                break
+        else:
             raise RuntimeError(f"building the shim failed: {proc.stderr.strip()[-600:]}")
         os.replace(tmp, lib)  # atomic: concurrent workers never load a half-written file
     finally:
@@ -99,28 +103,67 @@ def _is_cuda_build(torch_dir: str) -> bool:
     return any(os.path.exists(os.path.join(torch_dir, "lib", n)) for n in ("libtorch_cuda.so", "torch_cuda.dll"))
 
 
+def _cuda_device_visible() -> bool:
+    """Whether the CUDA driver shows this process a device (``CUDA_VISIBLE_DEVICES`` applies), asked before torch
+    is imported: no driver library, a failing ``cuInit`` or no device all say no. No context is created."""
+    try:
+        driver = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+
+
+def fake_device_mode(torch_dir: str) -> str:
+    """"native-cuda" where torch can hold fake CUDA tensors itself (a CUDA build with a device visible), else
+    "shim" (the fake device this module builds)."""
+    return "native-cuda" if _is_cuda_build(torch_dir) and _cuda_device_visible() else "shim"
+
+
+def _import_torch_quietly(cuda_build: bool):
+    """``import torch``; in a CUDA build with the shim loaded, without libtorch_cuda's C-level notice that the
+    shim's CUDA hooks outrank its own (which is what is meant to happen), keeping anything else it prints."""
+    if not cuda_build:
+        import torch
+        return torch
+    notice = "skipping registration of CUDAHooks"
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            import torch
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [line for line in capture.read().decode(errors="replace").splitlines(True) if notice not in line]
+            sys.stderr.write("".join(kept))
+    return torch
+
+
 def activate() -> FakeDevice:
     """Prepare this process for fake-CUDA estimation (idempotent). Imports torch."""
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE
-    reason = None
+    reason, lib = None, None
     mode = "shim"
     if os.environ.get("SDSLIM_FAKE_DEVICE") == "cpu":
         reason = "SDSLIM_FAKE_DEVICE=cpu was set"
     elif "torch" in sys.modules:
         reason = "torch was imported before the shim could be loaded"
-    elif _is_cuda_build(_torch_dir()):
-        mode = "native-cuda"
     else:
-        try:
-            lib = ctypes.CDLL(build_shim(), mode=ctypes.RTLD_GLOBAL)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-            reason = f"the fake-CUDA shim is unavailable ({err})"
-            lib = None
-    import torch
-    if reason is None and mode == "shim" and not lib.fake_cuda_hooks_active():
-        reason = "the fake-CUDA shim loaded too late (CUDA hooks already created)"
+        mode = fake_device_mode(_torch_dir())
+        if mode == "shim":
+            try:
+                lib = ctypes.CDLL(build_shim(), mode=ctypes.RTLD_GLOBAL)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+                reason = f"the fake-CUDA shim is unavailable ({err})"
+    torch = _import_torch_quietly(lib is not None and _is_cuda_build(_torch_dir()))
+    if lib is not None:
+        lib.fake_cuda_install_guard()          # over the guard a CUDA build's libtorch_cuda stored on import
+        if not lib.fake_cuda_hooks_active():
+            reason = "the fake-CUDA shim loaded too late (CUDA hooks already created)"
     if reason is not None:
         _ACTIVE = FakeDevice("cpu", "cpu-fallback", f"VRAM estimate: {reason}; {FALLBACK_COST}")
     else:

@@ -155,8 +155,9 @@ def estimate_jobs(dry: bool) -> list:
 
 
 def _hidden_gpu_env(ctx: Context) -> tuple[dict | None, str]:
-    """(worker environment, how the workers see the GPU): none at all when a probe job runs that way (then they
-    cannot hold a CUDA context beside the measuring parts), else the GPU visible, said."""
+    """(worker environment, how the workers see the GPU): none at all when a probe job runs that way on the fake
+    CUDA device (the shim: then they cannot hold a CUDA context beside the measuring parts), else the GPU visible
+    (torch's own CUDA support holds the fake tensors), said."""
     import os
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if ctx.dry:
@@ -165,9 +166,9 @@ def _hidden_gpu_env(ctx: Context) -> tuple[dict | None, str]:
     probe = Settings(arch="sd15", resolution=64, unet_config=dict(layout.diffusers_config(tiny_config("sd15"))))
     try:
         raw = run_worker([("probe", probe, (1,))], env=hidden, timeout=120)
-        if "error" not in raw[0]:
+        if "error" not in raw[0] and raw[0]["device_mode"] == "shim":
             return hidden, "no GPU visible to the estimator's processes (CUDA_VISIBLE_DEVICES='')"
-        why = raw[0]["error"]
+        why = raw[0].get("error") or " ".join(raw[0]["warnings"])   # no shim: the fake 'cpu' device, said why
     except Exception as err:  # the fallback below is recorded with the reason
         why = f"{type(err).__name__}: {err}"
     return env, (f"GPU visible to the estimator's processes (with none visible the probe failed: {why[:300]}); "

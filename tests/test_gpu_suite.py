@@ -353,3 +353,17 @@ def test_gpu_mode_without_gpu_skips_with_the_reason_and_exits_2(tmp_path):
     assert proc.returncode == 2, stdout[-2000:]
     rec = _load(tmp_path)["parts"]["speed_sdxl"]
     assert rec["status"] == "skipped" and "no CUDA GPU" in rec["error"]
+
+
+def test_the_estimators_processes_see_no_gpu_only_where_they_run_on_the_shim(tmp_path, monkeypatch):
+    """vram_estimate's workers run beside the parts that read the whole device: with CUDA_VISIBLE_DEVICES='' when
+    the probe estimates on the shim (this CPU build), with the GPU visible when it would only get the fake 'cpu'
+    device (no compiler: a GPU-visible native-cuda estimate is the better one), the reason said."""
+    ctx = gpu_parts.Context(name="vram_estimate", dry=False, work=tmp_path, compile=False, deadline=0.0)
+    env, note = gpu_vram._hidden_gpu_env(ctx)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and note.startswith("no GPU visible")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("SDSLIM_CACHE_DIR", str(tmp_path / "cache"))     # no shim built before
+    env, note = gpu_vram._hidden_gpu_env(ctx)
+    assert "CUDA_VISIBLE_DEVICES" not in env or env["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert note.startswith("GPU visible") and "no C++ compiler" in note

@@ -126,4 +126,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    # Not through exit(): the autograd thread torch starts for the fake CUDA device at the first backward pass can
+    # make exit()'s teardown abort the process ("terminate called without an active exception") while it starts;
+    # the results are written and flushed by now.
+    os._exit(code)

@@ -3,6 +3,7 @@ GPU, the CPU-only torch of the test environment standing in for it. ``argv[1]``:
 ``no_device_cuda_build.cpp``, loaded where ``import torch`` would load libtorch_cuda (after the shim)."""
 import ctypes
 import importlib.abc
+import os
 import sys
 
 from sdslim_core.vram import fakecuda
@@ -31,3 +32,4 @@ with FakeTensorMode(), torch.device(device.type):
     layer = torch.nn.Linear(8, 8)
     layer(torch.randn(4, 8)).sum().backward()
 print(device.mode, layer.weight.grad.device, flush=True)
+os._exit(0)    # as the estimate worker ends (exit() can abort while the fake device's autograd thread starts)

@@ -120,12 +120,10 @@ def fake_device_mode(torch_dir: str) -> str:
     return "native-cuda" if _is_cuda_build(torch_dir) and _cuda_device_visible() else "shim"
 
 
-def _import_torch_quietly(cuda_build: bool):
-    """``import torch``; in a CUDA build with the shim loaded, without libtorch_cuda's C-level notice that the
-    shim's CUDA hooks outrank its own (which is what is meant to happen), keeping anything else it prints."""
-    if not cuda_build:
-        import torch
-        return torch
+def _import_torch_after_the_shim():
+    """``import torch`` with the shim loaded, without the C-level notice a CUDA (or ROCm) build's own library
+    prints when the shim's CUDA hooks outrank its own (which is what is meant to happen); anything else printed
+    is kept."""
     notice = "skipping registration of CUDAHooks"
     saved = os.dup(2)
     with tempfile.TemporaryFile() as capture:
@@ -159,8 +157,10 @@ def activate() -> FakeDevice:
                 lib = ctypes.CDLL(build_shim(), mode=ctypes.RTLD_GLOBAL)
             except (RuntimeError, OSError, subprocess.SubprocessError) as err:
                 reason = f"the fake-CUDA shim is unavailable ({err})"
-    torch = _import_torch_quietly(lib is not None and _is_cuda_build(_torch_dir()))
-    if lib is not None:
+    if lib is None:
+        import torch
+    else:
+        torch = _import_torch_after_the_shim()
         lib.fake_cuda_install_guard()          # over the guard a CUDA build's libtorch_cuda stored on import
         if not lib.fake_cuda_hooks_active():
             reason = "the fake-CUDA shim loaded too late (CUDA hooks already created)"

@@ -152,32 +152,22 @@ def test_fallback_without_compiler(tmp_path):
     assert res.points[0]["phase_start_bytes"]["data"] == {"param": w32, "opt_state": 2 * w32 + 512 * len(sizes)}
 
 
-def _compile_against_torch(source, out):
-    """``source`` built as a shared library against this torch, as fakecuda builds its shim (None: no compiler)."""
-    import shutil
-    import subprocess
-    from sdslim_core.vram import fakecuda
-    if shutil.which("g++") is None:
-        return None
-    torch_dir = fakecuda._torch_dir()
-    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-std=c++20", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1",
-                    f"-I{torch_dir}/include", str(source), f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
-                    f"-Wl,-rpath,{torch_dir}/lib", "-o", str(out)], check=True, timeout=HANG_GUARD_S)
-    return out
-
-
 def test_a_cuda_build_without_a_gpu_estimates_training_on_the_shim(tmp_path):
     """A CUDA build of torch on a machine without a GPU (the usual `pip install torch` on Linux): its own CUDA
     hooks fail the fake backward pass ("hasPrimaryContext expects a valid device index"), so the shim is loaded,
     and its hooks must outrank the ones libtorch_cuda registers on import (at equal priority the registry ends the
     process) and its guard replace the one libtorch_cuda stores. Emulated on this CPU build by a library that makes
     libtorch_cuda's registrations for a machine with no device."""
+    import shutil
     import subprocess
     import sys
-    standin = _compile_against_torch(os.path.join(HERE, "fake_cuda", "no_device_cuda_build.cpp"),
-                                     tmp_path / "libtorch_cuda_standin.so")
-    if standin is None:
+
+    from sdslim_core.vram import fakecuda
+    if shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
+    standin = tmp_path / "libtorch_cuda_standin.so"
+    fakecuda.compile_against_torch(os.path.join(HERE, "fake_cuda", "no_device_cuda_build.cpp"), standin,
+                                   fakecuda._torch_dir())
     root = os.path.dirname(HERE)                          # sdslim_core, also where it is not pip-installed
     proc = subprocess.run([sys.executable, os.path.join(HERE, "fake_cuda", "activate_in_cuda_build.py"), str(standin)],
                           capture_output=True, text=True, timeout=HANG_GUARD_S, env=dict(os.environ, PYTHONPATH=root))

@@ -67,6 +67,19 @@ def _shim_path(torch_dir: str, compiler: str) -> str:
     return os.path.join(cache_dir(), f"libfake_cuda_guard-torch{version}-{digest}.so")
 
 
+def compile_against_torch(source: str, out: str, torch_dir: str, compiler: str = "g++") -> None:
+    """Build ``source`` into the shared library ``out``, linked to the torch in ``torch_dir``; raises RuntimeError
+    with the compiler's message."""
+    for standard in ("c++20", "c++17"):   # torch >= 2.14's headers need C++20; an older compiler may lack it
+        cmd = [compiler, "-O1", "-shared", "-fPIC", f"-std={standard}", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1",
+               f"-I{os.path.join(torch_dir, 'include')}", str(source), f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
+               f"-Wl,-rpath,{torch_dir}/lib", "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)   # a hang guard (busy box)
+        if not proc.returncode:
+            return
+    raise RuntimeError(f"building {os.path.basename(str(source))} failed: {proc.stderr.strip()[-600:]}")
+
+
 def build_shim() -> str:
     """Build the shim (once per torch version) and return its path; raises RuntimeError with the reason."""
     torch_dir = _torch_dir()
@@ -83,15 +96,7 @@ def build_shim() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib))
     os.close(fd)
     try:
-        for standard in ("c++20", "c++17"):   # torch >= 2.14's headers need C++20; an older compiler may lack it
-            cmd = [compiler, "-O1", "-shared", "-fPIC", f"-std={standard}", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1",
-                   f"-I{include}", SHIM_SRC, f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
-                   f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)   # a hang guard (busy box)
-            if not proc.returncode:
-                break
-        else:
-            raise RuntimeError(f"building the shim failed: {proc.stderr.strip()[-600:]}")
+        compile_against_torch(SHIM_SRC, tmp, torch_dir, compiler)
         os.replace(tmp, lib)  # atomic: concurrent workers never load a half-written file
     finally:
         if os.path.exists(tmp):
